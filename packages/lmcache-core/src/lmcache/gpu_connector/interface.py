@@ -1,0 +1,210 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The GPU connector interface: how KV moves between an engine's paged memory and lmcache.
+
+Lifecycle, as the cache engine drives it:
+
+1. **Creation.** An adapter builds an :class:`EngineInfo` describing the engine's KV cache
+   (``name`` such as ``"vllm"``, ``device`` such as ``"cuda"``, and the per-layer KV tensors) and
+   calls :func:`lmcache.gpu_connector.CreateGPUConnector`. The registry finds the connector class
+   for ``engine.key`` (``"vllm.cuda"``) and constructs it as ``cls(config, metadata, engine,
+   layout_hints)``. The constructor reads the geometry from the tensors' shapes and strides and
+   raises :class:`KVLayoutError` for a layout it cannot handle, before any byte moves.
+2. **Store.** The cache engine cuts the request into chunks, leases one host buffer per chunk
+   that must be saved (logical shape :meth:`GPUConnectorInterface.chunk_shape`, i.e.
+   ``[num_layers, chunk_tokens, kv_width]``), and calls :meth:`~GPUConnectorInterface.from_gpu`
+   *once* with all of them. The connector gathers the tokens' KV from the paged cache (using
+   ``transfer.slot_mapping``) into those buffers and returns when the bytes are on the host.
+3. **Retrieve.** The cache engine leases the hit chunks and calls
+   :meth:`~GPUConnectorInterface.to_gpu` *once*; the connector scatters the buffers into the
+   engine's slots, except the first ``transfer.skip_tokens`` tokens of the request, which the
+   engine already holds (they may live in pages shared with running requests: never write them).
+4. **Layerwise** (optional, :class:`SupportsLayerwise`): the same, one layer at a time, so loads
+   and saves overlap the forward pass.
+
+The chunk buffer format (canonical, the same for every connector so bytes are comparable):
+``[num_layers, num_tokens, kv_width]`` where for MHA ``kv_width = num_kv_heads * head_size_k +
+num_kv_heads * head_size_v`` (all K heads, then all V heads, each ``[heads, head_size]`` row
+major) and for MLA ``kv_width = latent_size`` (one latent per token per layer).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from lmcache.config import LMCacheConfig
+    from lmcache.metadata import LMCacheMetadata
+
+__all__ = [
+    "ChunkTransfer",
+    "EngineInfo",
+    "GPUConnectorInterface",
+    "KVLayoutError",
+    "SupportsLayerwise",
+    "TransferSpec",
+    "supports_layerwise",
+]
+
+
+class KVLayoutError(ValueError):
+    """A KV tensor's shape, dtype, strides or device is not one the connector can handle."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a connector needs to know about the engine it serves.
+
+    Attributes:
+        name: Engine name, e.g. ``"vllm"``, ``"sglang"``, ``"mock"``.
+        device: Device kind of the KV cache, e.g. ``"cuda"``, ``"cpu"``, ``"xpu"``.
+        kv_caches: The engine's KV tensors, one entry per layer, in layer order. Each entry is a
+            tensor or a tuple of tensors (e.g. SGLang's separate K and V pools); the connector
+            interprets them.
+        extra: Engine-specific facts (e.g. ``{"block_size": 32}``).
+    """
+
+    name: str
+    device: str
+    kv_caches: Sequence[Any]
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """Registry key ``"<engine>.<device>"``, e.g. ``"vllm.cuda"``."""
+        return f"{self.name}.{self.device}"
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """One request's transfer description, shared by all of its chunks.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64, the engine slot of every token of the request
+            (``slot = page_id * page_size + offset``), on any device. Entries for tokens that are
+            not transferred may be ``-1``.
+        skip_tokens: On load, the first ``skip_tokens`` tokens of the request are held by the
+            engine already and their slots must not be written. Ignored on store.
+        stream: CUDA (or XPU) stream to run the copies on; ``None`` means the current stream.
+    """
+
+    slot_mapping: torch.Tensor
+    skip_tokens: int = 0
+    stream: Any = None
+
+
+@dataclass(frozen=True)
+class ChunkTransfer:
+    """One chunk of a request: token range ``[start, end)`` and its host buffer.
+
+    Attributes:
+        start: First token index of the chunk within the request.
+        end: One past the last token index.
+        buffer: Host tensor of logical shape ``[num_layers, end - start, kv_width]`` and the
+            KV dtype (see :meth:`GPUConnectorInterface.chunk_shape`).
+    """
+
+    start: int
+    end: int
+    buffer: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+class GPUConnectorInterface(ABC):
+    """Moves KV between an engine's paged memory and host chunk buffers.
+
+    Subclasses are constructed as ``cls(config, metadata, engine, layout_hints)`` by
+    :func:`lmcache.gpu_connector.CreateGPUConnector`.
+    """
+
+    def __init__(
+        self,
+        config: LMCacheConfig,
+        metadata: LMCacheMetadata,
+        engine: EngineInfo,
+        layout_hints: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.metadata = metadata
+        self.engine = engine
+        self.layout_hints: Mapping[str, Any] = dict(layout_hints or {})
+
+    @property
+    @abstractmethod
+    def num_layers(self) -> int:
+        """Number of attention layers the connector moves."""
+
+    @property
+    @abstractmethod
+    def kv_width(self) -> int:
+        """Elements per token per layer in the canonical chunk format."""
+
+    @property
+    @abstractmethod
+    def dtype(self) -> torch.dtype:
+        """KV element dtype."""
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, int, int]:
+        """Logical chunk buffer shape ``[num_layers, num_tokens, kv_width]``."""
+        return (self.num_layers, num_tokens, self.kv_width)
+
+    def chunk_nbytes(self, num_tokens: int) -> int:
+        """Bytes of one chunk buffer of ``num_tokens`` tokens."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * num_tokens * self.kv_width * itemsize
+
+    @abstractmethod
+    def from_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
+        """Copy the KV of every chunk's tokens from the engine into the chunk buffers.
+
+        One batched transfer for all chunks; returns when the host buffers hold the bytes.
+
+        Raises:
+            ValueError: a buffer's shape/dtype does not match :meth:`chunk_shape`/``dtype``, or
+                the slot mapping does not cover the chunks.
+        """
+
+    @abstractmethod
+    def to_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
+        """Copy every chunk buffer into the engine's slots, skipping ``transfer.skip_tokens``.
+
+        One batched transfer for all chunks. When it returns, the copies are enqueued on
+        ``transfer.stream`` (or complete, for CPU engines); :meth:`synchronize` waits for them.
+
+        Raises:
+            ValueError: as for :meth:`from_gpu`.
+        """
+
+    def synchronize(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Wait until every copy this connector enqueued has finished."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Release staging buffers, streams and other resources."""
+
+
+class SupportsLayerwise(ABC):
+    """Capability mixin: per-layer transfers for pipelining loads/saves with the forward pass."""
+
+    @abstractmethod
+    def from_gpu_layer(
+        self, layer: int, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> None:
+        """Like :meth:`GPUConnectorInterface.from_gpu`, for ``buffer[layer]`` of each chunk only."""
+
+    @abstractmethod
+    def to_gpu_layer(
+        self, layer: int, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> None:
+        """Like :meth:`GPUConnectorInterface.to_gpu`, for ``buffer[layer]`` of each chunk only."""
+
+
+def supports_layerwise(connector: GPUConnectorInterface) -> bool:
+    """Whether ``connector`` implements :class:`SupportsLayerwise`."""
+    return isinstance(connector, SupportsLayerwise)
