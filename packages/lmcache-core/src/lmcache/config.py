@@ -1,0 +1,448 @@
+# SPDX-License-Identifier: Apache-2.0
+"""lmcache configuration: the frozen :class:`LMCacheConfig` and its loader.
+
+:func:`load_config` merges four sources, later ones winning::
+
+    defaults  <  YAML file  <  LMCACHE_<KEY> environment variables  <  overrides dict
+
+* **YAML file** -- the ``path`` argument, else the file named by ``LMCACHE_CONFIG_FILE``. Its top
+  level is a mapping of config keys (``chunk_size: 512``), parsed with ``yaml.safe_load``. Values
+  must already have the field's type (``chunk_size: "512"`` is an error).
+* **Environment** -- ``LMCACHE_CHUNK_SIZE=512``, ``LMCACHE_LOCAL_CPU=false``. Strings are parsed by
+  the field's type: integers, finite numbers, booleans (``true/false/1/0/yes/no``, any case), and
+  ``none`` or the empty string for ``None`` on optional fields. Other ``LMCACHE_*`` variables are
+  errors, except the non-config ones in :data:`NON_CONFIG_ENV_VARS`.
+* **Overrides** -- a mapping an adapter builds from the engine's extra config. Keys may carry an
+  ``lmcache.`` prefix (``{"lmcache.chunk_size": 512}``), which is stripped. Values must have the
+  field's type, as for the file.
+
+Every problem raises :class:`ConfigError`, naming the key, the source it came from (file path, env
+var name or overrides key), the expected form and what was found; an unknown key also names the
+nearest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import math
+import os
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+__all__ = [
+    "CONFIG_FILE_ENV",
+    "ENV_PREFIX",
+    "NON_CONFIG_ENV_VARS",
+    "OVERRIDE_PREFIX",
+    "ConfigError",
+    "LMCacheConfig",
+    "load_config",
+]
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "LMCACHE_"
+"""Prefix of the environment variables that set config keys (``LMCACHE_CHUNK_SIZE``)."""
+
+CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
+"""Environment variable naming the YAML config file when ``load_config`` gets no path."""
+
+OVERRIDE_PREFIX = "lmcache."
+"""Optional prefix of override keys (engine extra config), stripped before lookup."""
+
+NON_CONFIG_ENV_VARS: frozenset[str] = frozenset(
+    {
+        CONFIG_FILE_ENV,
+        "LMCACHE_PLUGINS",
+        "LMCACHE_PLUGIN_AUTOLOAD",
+        "LMCACHE_REQUIRE_CEXT",
+        "LMCACHE_DISABLE_CEXT",
+        "LMCACHE_LOG_LEVEL",
+    }
+)
+"""``LMCACHE_*`` environment variables that belong to lmcache but are not config keys."""
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, has the wrong type, or a bad value."""
+
+
+@dataclass(frozen=True)
+class LMCacheConfig:
+    """Settings of one lmcache instance. Build it with :func:`load_config`.
+
+    Direct construction (``LMCacheConfig(chunk_size=512)``) runs the same type and value checks
+    and raises :class:`ConfigError`; ``dataclasses.replace`` does too.
+    """
+
+    chunk_size: int = 256
+    """Tokens per chunk: the unit of hashing, storage and transfer. Must be > 0."""
+
+    local_cpu: bool = True
+    """Keep chunks in the pinned host-memory (CPU) tier."""
+
+    max_local_cpu_size: float = 5.0
+    """Byte budget of the CPU tier, in GB (GiB: ``GB * 1024**3`` bytes). Must be > 0 when
+    ``local_cpu`` is true."""
+
+    local_disk: str | None = None
+    """Directory of the local disk tier, or ``None`` for no disk tier. Not implemented yet."""
+
+    max_local_disk_size: float = 0.0
+    """Byte budget of the local disk tier, in GB (GiB)."""
+
+    remote_url: str | None = None
+    """URL of the shared remote tier (``redis://host:6379``), or ``None``. Not implemented yet."""
+
+    use_layerwise: bool = False
+    """Store and load KV layer by layer, overlapping transfers with the forward pass."""
+
+    save_decode_cache: bool = False
+    """Also store the KV of tokens produced during decode, not only of the prompt."""
+
+    save_unfull_chunk: bool = False
+    """Store a trailing chunk that has fewer than ``chunk_size`` tokens."""
+
+    cache_salt: str = ""
+    """Salt mixed into every chunk key: instances with different salts never share chunks."""
+
+    checksum: bool = True
+    """Store a checksum with every chunk and verify it before use; a mismatch is a miss."""
+
+    gpu_staging_buffer: bool = True
+    """Gather KV into a GPU staging buffer and move it with one DMA copy per transfer."""
+
+    def __post_init__(self) -> None:
+        source = "LMCacheConfig(...) argument"
+        for field in dataclasses.fields(self):
+            value = _check_type(field.name, getattr(self, field.name), source)
+            _check_value(field.name, value, source)
+            object.__setattr__(self, field.name, value)
+        _check_combination(self.to_dict(), dict.fromkeys(_FIELD_KINDS, source))
+
+    @property
+    def max_local_cpu_bytes(self) -> int:
+        """Byte budget of the CPU tier: ``int(max_local_cpu_size * 1024**3)``."""
+        return int(self.max_local_cpu_size * 1024**3)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as ``{key: value}``; ``load_config(overrides=cfg.to_dict())`` round-trips."""
+        return dataclasses.asdict(self)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> LMCacheConfig:
+    """Build a config from defaults, a YAML file, ``LMCACHE_*`` env vars and overrides.
+
+    Args:
+        path: YAML file to read. ``None`` reads the file named by ``LMCACHE_CONFIG_FILE`` in
+            ``env``, or no file when that is unset or empty.
+        env: Environment to read ``LMCACHE_*`` variables from; ``None`` means ``os.environ``.
+        overrides: Highest-precedence values, e.g. an engine's extra config. Keys may carry an
+            ``lmcache.`` prefix.
+
+    Returns:
+        The merged, validated config.
+
+    Raises:
+        ConfigError: A key is unknown, a value has the wrong type or a bad value, the file is
+            missing or malformed, or a requested tier is not implemented in this version.
+    """
+    environ: Mapping[str, str] = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+
+    file_path = os.fspath(path) if path is not None else (environ.get(CONFIG_FILE_ENV) or None)
+    if file_path is not None:
+        via = "" if path is not None else f" (named by {CONFIG_FILE_ENV})"
+        source = f"file {file_path!r}{via}"
+        for key, raw in _read_yaml(file_path, source).items():
+            _apply(values, sources, key, raw, source, parse_string=False, spell=str)
+
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in NON_CONFIG_ENV_VARS:
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        _apply(
+            values, sources, key, environ[name], f"env {name}", parse_string=True, spell=_env_name
+        )
+
+    seen: dict[str, str] = {}
+    for raw_key, raw in (overrides or {}).items():
+        if not isinstance(raw_key, str):
+            raise ConfigError(
+                f"Invalid lmcache overrides key {raw_key!r}: expected a string key such as "
+                f"'chunk_size' or 'lmcache.chunk_size', found {type(raw_key).__name__}."
+            )
+        key = raw_key.removeprefix(OVERRIDE_PREFIX)
+        if key in seen:
+            raise ConfigError(
+                f"lmcache config key {key!r} is given twice in overrides, as {seen[key]!r} and "
+                f"{raw_key!r}: keep one of them."
+            )
+        seen[key] = raw_key
+        _apply(values, sources, key, raw, f"overrides[{raw_key!r}]", parse_string=False, spell=str)
+
+    merged = {**_DEFAULTS, **values}
+    all_sources = {**dict.fromkeys(_FIELD_KINDS, "defaults"), **sources}
+    _check_combination(merged, all_sources)
+    return LMCacheConfig(**values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Field kinds, parsing and checks
+# ---------------------------------------------------------------------------------------------
+
+_EXPECTED_FORM = {
+    int: "an integer (e.g. 256)",
+    bool: "a boolean (true/false, yes/no, 1/0)",
+    float: "a finite number (e.g. 5.0)",
+    str: "a string",
+    "optional_str": "a string, or null/none for unset",
+}
+
+_TRUE = frozenset({"true", "1", "yes"})
+_FALSE = frozenset({"false", "0", "no"})
+_NONE = frozenset({"none", ""})
+
+
+def _field_kind(tp: Any) -> type | str:
+    if tp in (int, bool, float, str):
+        return typing.cast(type, tp)
+    if isinstance(tp, types.UnionType) and set(typing.get_args(tp)) == {str, type(None)}:
+        return "optional_str"
+    raise TypeError(f"LMCacheConfig field type {tp!r} has no loader; extend config._field_kind")
+
+
+_FIELD_KINDS: dict[str, type | str] = {
+    name: _field_kind(tp) for name, tp in typing.get_type_hints(LMCacheConfig).items()
+}
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(LMCacheConfig)}
+
+_LEGACY_NOOP_KEYS: dict[str, tuple[type, tuple[Any, ...], str]] = {
+    # key: (kind, accepted values (empty = any), why it is a no-op)
+    "use_experimental": (str, (), "lmcache has a single implementation"),
+    "enable_blending": (bool, (False,), "KV blending is not supported; false is the default"),
+    "track_usage": (bool, (False,), "lmcache sends no usage data"),
+}
+"""Keys of the original LMCache config that are accepted and ignored (with a warning)."""
+
+_UNIMPLEMENTED_TIERS: dict[str, str] = {
+    "local_disk": "the local disk tier",
+    "remote_url": "the remote (Redis/Valkey) tier",
+}
+"""Tier keys the loader parses but this version cannot serve; delete an entry to enable a tier."""
+
+
+def _env_name(key: str) -> str:
+    return ENV_PREFIX + key.upper()
+
+
+def _error(key: str, source: str, expected: str, found: Any, fix: str) -> ConfigError:
+    return ConfigError(
+        f"Invalid lmcache config key {key!r} (from {source}): expected {expected}, "
+        f"found {found!r}. {fix}"
+    )
+
+
+def _apply(
+    values: dict[str, Any],
+    sources: dict[str, str],
+    key: str,
+    raw: Any,
+    source: str,
+    *,
+    parse_string: bool,
+    spell: Callable[[str], str],
+) -> None:
+    """Type-check (or parse) one raw value and record it with its source."""
+    if not isinstance(key, str):
+        raise ConfigError(
+            f"Invalid lmcache config key {key!r} (from {source}): keys must be strings such as "
+            f"'chunk_size', found {type(key).__name__}."
+        )
+    if key in _LEGACY_NOOP_KEYS:
+        _apply_legacy(key, raw, source, parse_string=parse_string)
+        return
+    if key not in _FIELD_KINDS:
+        raise _unknown_key(key, source, spell)
+    value = _parse_string(key, raw, source) if parse_string else _check_type(key, raw, source)
+    _check_value(key, value, source)
+    values[key] = value
+    sources[key] = source
+
+
+def _unknown_key(key: str, source: str, spell: Callable[[str], str]) -> ConfigError:
+    candidates = {spell(k): k for k in _FIELD_KINDS}
+    if spell is _env_name:
+        candidates.update({name: name for name in NON_CONFIG_ENV_VARS})
+    spelled = spell(key)
+    close = difflib.get_close_matches(spelled, list(candidates), n=1, cutoff=0.5)
+    hint = f"Did you mean {close[0]!r}? " if close else ""
+    valid = ", ".join(spell(k) for k in _FIELD_KINDS)
+    return ConfigError(
+        f"Unknown lmcache config key {spelled!r} (from {source}). {hint}"
+        f"Expected one of: {valid}. Fix the spelling or remove it."
+    )
+
+
+def _apply_legacy(key: str, raw: Any, source: str, *, parse_string: bool) -> None:
+    kind, accepted, why = _LEGACY_NOOP_KEYS[key]
+    value = raw
+    if kind is bool:
+        value = _parse_string(key, raw, source, kind=bool) if parse_string else raw
+    if accepted and not any(
+        value is a or (type(value) is type(a) and value == a) for a in accepted
+    ):
+        raise _error(
+            key,
+            source,
+            " or ".join(repr(a) for a in accepted) + f" (legacy LMCache key: {why})",
+            raw,
+            "This version cannot do it; remove the key.",
+        )
+    logger.warning(
+        "lmcache config key %r (from %s) is a legacy LMCache setting and is ignored: %s.",
+        key,
+        source,
+        why,
+    )
+
+
+def _parse_string(key: str, raw: str, source: str, *, kind: type | str | None = None) -> Any:
+    """Parse an environment-variable string by the field's kind."""
+    kind = _FIELD_KINDS[key] if kind is None else kind
+    text = raw.strip()
+    lowered = text.lower()
+    if kind is bool:
+        if lowered in _TRUE:
+            return True
+        if lowered in _FALSE:
+            return False
+    elif kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            pass
+    elif kind is float:
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    elif kind == "optional_str":
+        return None if lowered in _NONE else raw
+    else:
+        return raw
+    expected = _EXPECTED_FORM[kind]
+    raise _error(key, source, expected, raw, f"Set it to {expected}.")
+
+
+def _check_type(key: str, value: Any, source: str) -> Any:
+    """Check a typed value (file, overrides, constructor); returns it (ints widened to float)."""
+    kind = _FIELD_KINDS[key]
+    ok: bool
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+    elif kind == "optional_str":
+        ok = value is None or isinstance(value, str)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        expected = _EXPECTED_FORM[kind]
+        raise _error(
+            key,
+            source,
+            expected,
+            value,
+            f"Got a {type(value).__name__}; write it as {expected} (no quotes around numbers or "
+            "booleans in YAML/JSON).",
+        )
+    return value
+
+
+def _check_value(key: str, value: Any, source: str) -> None:
+    """Range and form checks on one typed value."""
+    if key == "chunk_size" and value <= 0:
+        raise _error(key, source, "a positive integer (e.g. 256)", value, "Use chunk_size > 0.")
+    if key in ("max_local_cpu_size", "max_local_disk_size") and not (
+        math.isfinite(value) and value >= 0
+    ):
+        raise _error(key, source, "a finite size in GB >= 0", value, "Use a size such as 5.0.")
+    if key == "local_disk" and value is not None and not value.strip():
+        raise _error(key, source, "a directory path, or null", value, "Give a path or unset it.")
+    if key == "remote_url" and value is not None:
+        parts = urlsplit(value)
+        if not parts.scheme or "://" not in value or not parts.netloc:
+            raise _error(
+                key,
+                source,
+                "a URL with a scheme and host, e.g. 'redis://localhost:6379'",
+                value,
+                "Add the scheme (redis://, valkey://, ...) or unset it.",
+            )
+
+
+def _check_combination(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    """Checks across keys, and the tiers this version does not implement."""
+    if values["local_cpu"] and values["max_local_cpu_size"] <= 0:
+        raise _error(
+            "max_local_cpu_size",
+            sources["max_local_cpu_size"],
+            f"a size > 0 GB while local_cpu is true (local_cpu from {sources['local_cpu']})",
+            values["max_local_cpu_size"],
+            "Give the CPU tier a budget such as 5.0, or set local_cpu to false.",
+        )
+    for key, tier in _UNIMPLEMENTED_TIERS.items():
+        if values[key] is not None:
+            raise _error(
+                key,
+                sources[key],
+                f"null: {tier} is not implemented in this version of lmcache",
+                values[key],
+                f"Remove {key!r} (or set it to null); only the local CPU tier stores chunks.",
+            )
+
+
+def _read_yaml(file_path: str, source: str) -> dict[Any, Any]:
+    """The top-level mapping of a YAML config file (``{}`` for an empty file)."""
+    try:
+        with open(file_path, encoding="utf-8") as handle:
+            loaded = yaml.safe_load(handle)
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"lmcache config {source} does not exist: expected a readable YAML file. Fix the "
+            f"path, or unset {CONFIG_FILE_ENV} to use defaults and env vars only."
+        ) from exc
+    except OSError as exc:
+        raise ConfigError(f"lmcache config {source} cannot be read: {exc}.") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(
+            f"lmcache config {source} is not valid YAML: {exc}. Fix the syntax "
+            "(a top-level mapping such as 'chunk_size: 256')."
+        ) from exc
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(
+            f"lmcache config {source}: expected a top-level mapping of keys such as "
+            f"'chunk_size: 256', found a {type(loaded).__name__} ({loaded!r:.80})."
+        )
+    return loaded

@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Chunk keys: 128-bit hashes chained over token chunks (format ``lmcache-chunk-key-v1``).
+
+Tokens are cut into chunks of ``chunk_size`` (the last one may be partial). Chunk ``i``'s key is::
+
+    key[-1] = xxh3_128(b"lmcache-chunk-key-v1\\0" + fingerprint + b"\\0" + salt).digest()
+    key[i]  = xxh3_128(key[i - 1] + tokens[i] as little-endian uint32).digest()
+
+``digest()`` is xxhash's canonical (big-endian) 16-byte form. The chain makes a key depend on every
+token before it, so equal keys mean equal prefixes; the seed makes it depend on the model geometry
+(:meth:`lmcache.metadata.LMCacheMetadata.fingerprint`) and the cache salt (tenant isolation). Keys
+do not depend on ``PYTHONHASHSEED``, the process or the host. The test vectors in
+``tests/unit/test_keys.py`` pin the format; changing it needs a new format tag.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+
+import torch
+import xxhash
+
+__all__ = ["KEY_FORMAT", "KEY_NBYTES", "chunk_keys", "chunk_ranges", "key_hex"]
+
+KEY_FORMAT = b"lmcache-chunk-key-v1\0"
+"""Domain tag that starts the seed of every key chain."""
+
+KEY_NBYTES = 16
+"""Bytes per chunk key."""
+
+_UINT32_CODE = next(code for code in ("I", "L") if array(code).itemsize == 4)
+_TOKEN_LIMIT = 2**32
+
+
+def chunk_ranges(num_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
+    """Half-open token ranges ``[start, end)`` of the chunks of ``num_tokens`` tokens.
+
+    Args:
+        num_tokens: Number of tokens, >= 0.
+        chunk_size: Tokens per chunk, > 0.
+
+    Returns:
+        ``[(0, c), (c, 2c), ...]``; the last range is partial when ``num_tokens % chunk_size``.
+
+    Raises:
+        ValueError: ``num_tokens < 0`` or ``chunk_size <= 0``.
+    """
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, found {num_tokens}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, found {chunk_size}; use e.g. 256")
+    return [
+        (start, min(start + chunk_size, num_tokens)) for start in range(0, num_tokens, chunk_size)
+    ]
+
+
+def chunk_keys(
+    token_ids: Sequence[int] | torch.Tensor,
+    fingerprint: bytes,
+    chunk_size: int,
+    *,
+    salt: str | bytes = b"",
+) -> list[bytes]:
+    """One 16-byte key per chunk of ``token_ids`` (the trailing partial chunk included).
+
+    Args:
+        token_ids: Token ids in ``[0, 2**32)``: a sequence of ints or an integer tensor of shape
+            ``[num_tokens]`` on any device (copied to the CPU).
+        fingerprint: Bytes of every fact that changes the KV bytes, usually
+            ``LMCacheMetadata.fingerprint()``.
+        chunk_size: Tokens per chunk, > 0.
+        salt: Cache salt (str is UTF-8 encoded); different salts give disjoint keys.
+
+    Returns:
+        ``len(chunk_ranges(len(token_ids), chunk_size))`` keys of :data:`KEY_NBYTES` bytes.
+
+    Raises:
+        ValueError: A token id is outside ``[0, 2**32)``, the tensor is not 1-D, or
+            ``chunk_size <= 0``.
+        TypeError: ``fingerprint``/``salt`` have the wrong type, or tokens are not integers.
+    """
+    if not isinstance(fingerprint, bytes | bytearray | memoryview):
+        raise TypeError(
+            f"fingerprint must be bytes (e.g. LMCacheMetadata.fingerprint()), found "
+            f"{type(fingerprint).__name__}"
+        )
+    if isinstance(salt, str):
+        salt_bytes = salt.encode("utf-8")
+    elif isinstance(salt, bytes | bytearray):
+        salt_bytes = bytes(salt)
+    else:
+        raise TypeError(f"salt must be str or bytes, found {type(salt).__name__}")
+    packed = _pack_tokens(token_ids)
+    ranges = chunk_ranges(len(packed), chunk_size)
+    data = memoryview(packed).cast("B")
+    prev = xxhash.xxh3_128_digest(KEY_FORMAT + bytes(fingerprint) + b"\0" + salt_bytes)
+    keys: list[bytes] = []
+    for start, end in ranges:
+        prev = xxhash.xxh3_128_digest(prev + data[start * 4 : end * 4])
+        keys.append(prev)
+    return keys
+
+
+def key_hex(key: bytes) -> str:
+    """Lower-case hex of a key, for logs and file names (32 characters)."""
+    return bytes(key).hex()
+
+
+def _pack_tokens(token_ids: Sequence[int] | torch.Tensor) -> array[int]:
+    """Token ids as a little-endian uint32 array."""
+    if isinstance(token_ids, torch.Tensor):
+        tensor = token_ids.detach()
+        if tensor.dim() != 1:
+            raise ValueError(
+                f"token_ids tensor must be 1-D [num_tokens], found shape {tuple(tensor.shape)}"
+            )
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+            raise TypeError(f"token_ids tensor must have an integer dtype, found {tensor.dtype}")
+        values: Sequence[int] = tensor.cpu().tolist()
+    else:
+        values = token_ids
+    try:
+        packed = array(_UINT32_CODE, values)
+    except (OverflowError, TypeError) as exc:
+        raise _bad_token(values) from exc
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed
+
+
+def _bad_token(values: Sequence[int]) -> Exception:
+    for index, token in enumerate(values):
+        if not isinstance(token, int):
+            try:
+                token = token.__index__()
+            except (AttributeError, TypeError):
+                return TypeError(
+                    f"token_ids[{index}] = {token!r} is a {type(token).__name__}, expected an int"
+                )
+        if not 0 <= token < _TOKEN_LIMIT:
+            return ValueError(
+                f"token_ids[{index}] = {token} is outside [0, 2**32): chunk keys pack token ids "
+                "as uint32; check the tokenizer output"
+            )
+    return TypeError("token_ids must be a sequence of ints or a 1-D integer tensor")
