@@ -1,0 +1,355 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A host memory pool with a fixed byte budget, handing out slices as explicit leases.
+
+The pool owns a few large host tensors (*slabs*, ``uint8 [slab_bytes]``; pinned when a CUDA
+device is present) and carves allocations out of them. Slabs are allocated lazily, when an
+allocation needs one: pinning a whole multi-GiB budget up front takes seconds and memory the
+process may never use. An allocation larger than ``slab_bytes`` gets a slab of its own, returned
+to the system when it is released.
+
+Every allocation is handed out as a :class:`MemoryLease`. The bytes go back to the pool only when
+the last lease on them is released (``lease.share()`` makes another lease on the same bytes), so
+a chunk that is being copied can never be reused underneath the copy::
+
+    pool = HostMemoryPool(1 << 30)
+    lease = pool.allocate((num_layers, 256, kv_width), torch.bfloat16)
+    if lease is not None:
+        with lease:
+            lease.tensor.copy_(kv)  # [num_layers, 256, kv_width]
+
+The pool is thread-safe: one lock guards the free lists and the lease counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import torch
+
+__all__ = ["ALIGNMENT", "HostMemoryPool", "LeaseError", "MemoryLease"]
+
+logger = logging.getLogger(__name__)
+
+#: Every allocation starts at a multiple of this many bytes within its slab.
+ALIGNMENT = 256
+
+
+class LeaseError(RuntimeError):
+    """A lease was used after it was released, or released twice."""
+
+
+def _align(nbytes: int) -> int:
+    """Round ``nbytes`` up to a multiple of :data:`ALIGNMENT` (at least one unit)."""
+    return max(ALIGNMENT, (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
+
+
+@dataclass(eq=False)
+class _Slab:
+    """One host tensor ``uint8 [size]`` and its free ranges ``(offset, length)``, sorted."""
+
+    tensor: torch.Tensor
+    size: int
+    dedicated: bool
+    free: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.dedicated:
+            self.free = [(0, self.size)]
+
+    @property
+    def empty(self) -> bool:
+        return self.free == [(0, self.size)]
+
+    def take(self, size: int) -> int | None:
+        """First fit: carve ``size`` bytes out of a free range; return the offset or ``None``."""
+        for i, (offset, length) in enumerate(self.free):
+            if length >= size:
+                if length == size:
+                    del self.free[i]
+                else:
+                    self.free[i] = (offset + size, length - size)
+                return offset
+        return None
+
+    def give_back(self, offset: int, size: int) -> None:
+        """Return ``[offset, offset + size)`` to the free list, merging adjacent ranges."""
+        free = self.free
+        lo, hi = 0, len(free)
+        while lo < hi:  # bisect on the offsets
+            mid = (lo + hi) // 2
+            if free[mid][0] < offset:
+                lo = mid + 1
+            else:
+                hi = mid
+        start, end = offset, offset + size
+        if lo < len(free) and free[lo][0] == end:  # merge with the next range
+            end = free[lo][0] + free[lo][1]
+            del free[lo]
+        if lo > 0 and free[lo - 1][0] + free[lo - 1][1] == start:  # merge with the previous one
+            start = free[lo - 1][0]
+            lo -= 1
+            del free[lo]
+        free.insert(lo, (start, end - start))
+
+
+@dataclass(eq=False)
+class _Allocation:
+    """The bytes behind one or more leases; mutated only under the pool's lock."""
+
+    slab: _Slab
+    offset: int
+    size: int
+    view: torch.Tensor
+    refs: int = 1
+
+
+class MemoryLease:
+    """A claim on an allocation of a :class:`HostMemoryPool`.
+
+    The allocation's bytes stay reserved while at least one lease on them is unreleased. Use a
+    lease as a context manager, or call :meth:`release` exactly once. Leases are not released by
+    garbage collection: a lease that is dropped without release keeps its bytes for the life of
+    the pool.
+    """
+
+    __slots__ = ("_alloc", "_pool", "_released")
+
+    def __init__(self, pool: HostMemoryPool, alloc: _Allocation) -> None:
+        self._pool = pool
+        self._alloc = alloc
+        self._released = False
+
+    def _check(self, action: str) -> None:
+        if self._released:
+            raise LeaseError(
+                f"Cannot {action}: this MemoryLease (shape {tuple(self._alloc.view.shape)}, "
+                f"{self._alloc.view.dtype}) was already released, and its bytes may now belong "
+                "to another allocation. Keep the lease (or lease.share() a new one) for as long "
+                "as you use the tensor."
+            )
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The leased bytes as a host tensor of the shape and dtype that were allocated.
+
+        Raises:
+            LeaseError: the lease was released.
+        """
+        self._check("read lease.tensor")
+        return self._alloc.view
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor (without alignment padding)."""
+        return self._alloc.view.numel() * self._alloc.view.element_size()
+
+    @property
+    def released(self) -> bool:
+        """Whether this lease was released (other leases on the same bytes may remain)."""
+        return self._released
+
+    @property
+    def ref_count(self) -> int:
+        """Number of unreleased leases on these bytes, this one included if unreleased."""
+        with self._pool._lock:
+            return self._alloc.refs
+
+    def share(self) -> MemoryLease:
+        """Another lease on the same bytes, to be released independently.
+
+        Raises:
+            LeaseError: this lease was released.
+        """
+        with self._pool._lock:
+            self._check("share()")
+            self._alloc.refs += 1
+            return MemoryLease(self._pool, self._alloc)
+
+    def release(self) -> None:
+        """Release this lease; the bytes return to the pool when no lease on them remains.
+
+        Raises:
+            LeaseError: this lease was released already.
+        """
+        with self._pool._lock:
+            self._check("release() twice")
+            self._released = True
+            self._alloc.refs -= 1
+            if self._alloc.refs == 0:
+                self._pool._free(self._alloc)
+
+    def __enter__(self) -> MemoryLease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self._released:
+            self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else f"refs={self._alloc.refs}"
+        return (
+            f"MemoryLease(shape={tuple(self._alloc.view.shape)}, dtype={self._alloc.view.dtype}, "
+            f"nbytes={self.nbytes}, {state})"
+        )
+
+
+class HostMemoryPool:
+    """Host memory with a fixed byte budget, carved into leased allocations.
+
+    Args:
+        budget_bytes: Most bytes of host memory the pool ever holds (slabs included).
+        pin: Page-lock the slabs (fast DMA to/from a GPU). ``None`` pins iff
+            ``torch.cuda.is_available()``.
+        slab_bytes: Size of one shared slab. Allocations up to this size share slabs; larger
+            ones get a slab of their own.
+
+    Raises:
+        ValueError: ``budget_bytes < 0`` or ``slab_bytes <= 0``.
+    """
+
+    def __init__(
+        self, budget_bytes: int, *, pin: bool | None = None, slab_bytes: int = 256 << 20
+    ) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"HostMemoryPool budget_bytes must be >= 0, found {budget_bytes}")
+        if slab_bytes <= 0:
+            raise ValueError(f"HostMemoryPool slab_bytes must be > 0, found {slab_bytes}")
+        self._budget = int(budget_bytes)
+        self._slab_bytes = _align(int(slab_bytes))
+        self._pin = torch.cuda.is_available() if pin is None else bool(pin)
+        self._lock = threading.Lock()
+        self._slabs: list[_Slab] = []  # shared slabs, in creation order
+        self._dedicated = 0  # bytes in dedicated slabs
+        self._used = 0  # bytes in live allocations (aligned sizes)
+
+    @property
+    def budget_bytes(self) -> int:
+        """The byte budget."""
+        return self._budget
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes in live allocations (each rounded up to :data:`ALIGNMENT`)."""
+        with self._lock:
+            return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        """``budget_bytes - used_bytes`` (may be fragmented across slabs)."""
+        with self._lock:
+            return self._budget - self._used
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of host memory the pool's slabs hold now (at most ``budget_bytes``)."""
+        with self._lock:
+            return self._reserved()
+
+    @property
+    def pinned(self) -> bool:
+        """Whether slabs are page-locked."""
+        return self._pin
+
+    def _reserved(self) -> int:
+        return sum(s.size for s in self._slabs) + self._dedicated
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryLease | None:
+        """Lease a host tensor of ``shape`` and ``dtype``.
+
+        Returns:
+            A lease whose :attr:`MemoryLease.tensor` has the requested shape and dtype (its
+            contents are undefined), or ``None`` when the budget cannot hold it right now. Never
+            blocks waiting for memory.
+
+        Raises:
+            ValueError: a negative dimension.
+        """
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"HostMemoryPool.allocate: negative dimension in shape {shape}")
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        size = _align(nbytes)
+        with self._lock:
+            if size > self._budget - self._used:
+                return None
+            placed = self._place(size)
+            if placed is None:
+                return None
+            slab, offset = placed
+            self._used += size
+            view = slab.tensor[offset : offset + nbytes].view(dtype).view(shape)
+            return MemoryLease(self, _Allocation(slab, offset, size, view))
+
+    def _place(self, size: int) -> tuple[_Slab, int] | None:
+        """Find or make room for ``size`` bytes; caller holds the lock."""
+        if size > self._slab_bytes:
+            if not self._make_room(size):
+                return None
+            slab = self._new_slab(size, dedicated=True)
+            if slab is None:
+                return None
+            self._dedicated += size
+            return slab, 0
+        for slab in self._slabs:
+            offset = slab.take(size)
+            if offset is not None:
+                return slab, offset
+        room = self._budget - self._reserved()
+        if room < size:
+            if not self._make_room(size):
+                return None
+            room = self._budget - self._reserved()
+        slab = self._new_slab(min(self._slab_bytes, room // ALIGNMENT * ALIGNMENT), dedicated=False)
+        if slab is None:
+            return None
+        self._slabs.append(slab)
+        offset = slab.take(size)
+        assert offset == 0
+        return slab, offset
+
+    def _make_room(self, size: int) -> bool:
+        """Drop empty shared slabs until ``size`` more bytes fit in the budget."""
+        for slab in [s for s in self._slabs if s.empty]:
+            if self._budget - self._reserved() >= size:
+                break
+            self._slabs.remove(slab)
+        return self._budget - self._reserved() >= size
+
+    def _new_slab(self, size: int, *, dedicated: bool) -> _Slab | None:
+        try:
+            tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
+        except RuntimeError as exc:
+            logger.warning(
+                "HostMemoryPool could not allocate a %d-byte %s host slab (%s); the allocation "
+                "is treated as out of memory. Lower the budget (max_local_cpu_size) or, if "
+                "pinning fails, construct the pool with pin=False.",
+                size,
+                "pinned" if self._pin else "pageable",
+                exc,
+            )
+            return None
+        return _Slab(tensor, size, dedicated)
+
+    def _free(self, alloc: _Allocation) -> None:
+        """Return an allocation's bytes; caller holds the lock."""
+        self._used -= alloc.size
+        if alloc.slab.dedicated:
+            self._dedicated -= alloc.slab.size
+        else:
+            alloc.slab.give_back(alloc.offset, alloc.size)
+
+    def __repr__(self) -> str:
+        return (
+            f"HostMemoryPool(budget_bytes={self._budget}, used_bytes={self._used}, "
+            f"pinned={self._pin}, slabs={len(self._slabs)})"
+        )

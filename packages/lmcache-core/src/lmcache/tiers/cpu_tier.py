@@ -1,0 +1,184 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The CPU tier: chunks kept in a :class:`~lmcache.memory.HostMemoryPool`, evicted LRU.
+
+Each entry holds its own lease on the chunk's bytes and, optionally, an xxh3-64 checksum of those
+bytes taken when the chunk was stored. :meth:`CPUTier.get` verifies the checksum before handing the
+chunk out: a mismatch is a miss (counted in ``metrics.checksum_failures``, the entry dropped), so a
+corrupted chunk is never loaded.
+
+Eviction happens only in :meth:`CPUTier.allocate`, and only of entries that nobody but the tier
+leases: a chunk that a retrieve is copying (it holds a lease from :meth:`CPUTier.get`) stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import xxhash
+
+from lmcache.memory import HostMemoryPool, MemoryLease
+
+if TYPE_CHECKING:
+    from lmcache.metrics import LMCacheMetrics
+
+__all__ = ["CPUTier", "tensor_checksum"]
+
+logger = logging.getLogger(__name__)
+
+
+def tensor_checksum(tensor: torch.Tensor) -> int:
+    """xxh3-64 of a contiguous host tensor's bytes, read in place (no copy).
+
+    Args:
+        tensor: A contiguous CPU tensor of any dtype, e.g. a chunk ``[num_layers, num_tokens,
+            kv_width]``.
+
+    Raises:
+        ValueError: the tensor is not on the CPU or not contiguous.
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(
+            f"tensor_checksum needs a contiguous CPU tensor, found device={tensor.device}, "
+            f"contiguous={tensor.is_contiguous()}; pass a host chunk buffer (lease.tensor)."
+        )
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return xxhash.xxh3_64_intdigest(flat.numpy().data)
+
+
+@dataclass(eq=False)
+class _Entry:
+    lease: MemoryLease
+    checksum: int | None
+
+
+class CPUTier:
+    """Chunks in host memory, keyed by chunk key, with LRU eviction inside the pool's budget.
+
+    Thread-safe. Lock order: the tier's lock, then the pool's.
+
+    Args:
+        pool: The host pool chunks are allocated from.
+        metrics: Counts ``evicted_chunks`` and ``checksum_failures``.
+    """
+
+    def __init__(self, pool: HostMemoryPool, metrics: LMCacheMetrics) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._lock = threading.RLock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` is stored (no LRU touch, no checksum verification)."""
+        with self._lock:
+            return key in self._entries
+
+    def touch(self, key: bytes) -> bool:
+        """Mark ``key`` most recently used; returns whether it is stored."""
+        with self._lock:
+            if key not in self._entries:
+                return False
+            self._entries.move_to_end(key)
+            return True
+
+    def put(self, key: bytes, lease: MemoryLease, checksum: int | None) -> None:
+        """Store a chunk; the tier takes its own share of ``lease`` (the caller keeps theirs).
+
+        An entry already under ``key`` is replaced.
+
+        Args:
+            key: The chunk key.
+            lease: The chunk's bytes (from :meth:`allocate`).
+            checksum: :func:`tensor_checksum` of the bytes, or ``None`` to skip verification.
+        """
+        share = lease.share()
+        with self._lock:
+            old = self._entries.pop(key, None)
+            self._entries[key] = _Entry(share, checksum)
+        if old is not None:
+            old.lease.release()
+
+    def get(self, key: bytes) -> MemoryLease | None:
+        """A new lease on the chunk under ``key``, or ``None`` on a miss; the caller releases it.
+
+        Marks the entry most recently used. When the entry has a checksum and the bytes no longer
+        match it, the entry is dropped, ``metrics.checksum_failures`` counted, and ``None``
+        returned.
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            lease = entry.lease.share()
+        if entry.checksum is None:
+            return lease
+        # Verified outside the lock: our share keeps the bytes from being reused meanwhile.
+        found = tensor_checksum(lease.tensor)
+        if found == entry.checksum:
+            return lease
+        lease.release()
+        self.metrics.checksum_failures.inc()
+        logger.warning(
+            "Checksum mismatch for chunk %s in the CPU tier (expected %#018x, found %#018x): "
+            "the bytes changed after they were stored. Treating it as a miss and dropping it.",
+            key.hex(),
+            entry.checksum,
+            found,
+        )
+        with self._lock:
+            if self._entries.get(key) is entry:
+                del self._entries[key]
+            else:
+                entry = None  # replaced meanwhile: not ours to release
+        if entry is not None:
+            entry.lease.release()
+        return None
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryLease | None:
+        """Allocate a chunk buffer, evicting least recently used entries until it fits.
+
+        Only entries whose sole lease is the tier's are evicted (a chunk being read by a retrieve
+        is never evicted). Returns ``None`` when nothing more can be evicted and it still does
+        not fit.
+        """
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes > self.pool.budget_bytes:
+            return None  # evicting cannot help
+        with self._lock:
+            while True:
+                lease = self.pool.allocate(shape, dtype)
+                if lease is not None:
+                    return lease
+                victim = next((k for k, e in self._entries.items() if e.lease.ref_count == 1), None)
+                if victim is None:
+                    return None
+                self._entries.pop(victim).lease.release()
+                self.metrics.evicted_chunks.inc()
+
+    def remove(self, key: bytes) -> bool:
+        """Drop the entry under ``key``; returns whether there was one."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        entry.lease.release()
+        return True
+
+    def clear(self) -> None:
+        """Drop every entry (leases others hold on the bytes stay valid)."""
+        with self._lock:
+            entries = list(self._entries.values())
+            self._entries.clear()
+        for entry in entries:
+            entry.lease.release()

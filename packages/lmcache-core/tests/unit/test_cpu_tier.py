@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CPUTier: LRU within the pool budget, leased chunks never evicted, checksums verified."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import xxhash
+
+from lmcache.memory import HostMemoryPool, MemoryLease
+from lmcache.metrics import LMCacheMetrics
+from lmcache.tiers import CPUTier, tensor_checksum
+
+SHAPE = (2, 4, 32)  # [num_layers, num_tokens, kv_width] float32 -> 1024 bytes
+CHUNK_BYTES = 2 * 4 * 32 * 4
+
+
+def _tier(chunks: int) -> tuple[CPUTier, LMCacheMetrics]:
+    metrics = LMCacheMetrics()
+    pool = HostMemoryPool(chunks * CHUNK_BYTES, pin=False, slab_bytes=chunks * CHUNK_BYTES)
+    return CPUTier(pool, metrics), metrics
+
+
+def _put(tier: CPUTier, key: bytes, value: float, *, checksum: bool = True) -> None:
+    lease = tier.allocate(SHAPE, torch.float32)
+    assert lease is not None
+    with lease:
+        lease.tensor.fill_(value)
+        tier.put(key, lease, tensor_checksum(lease.tensor) if checksum else None)
+
+
+def _get(tier: CPUTier, key: bytes) -> MemoryLease:
+    lease = tier.get(key)
+    assert lease is not None, f"{key!r} missing"
+    return lease
+
+
+def test_tensor_checksum_is_xxh3_of_the_bytes() -> None:
+    t = torch.randn(3, 5, 7).to(torch.bfloat16)
+    expected = xxhash.xxh3_64_intdigest(t.view(torch.int16).numpy().tobytes())
+    assert tensor_checksum(t) == expected
+    with pytest.raises(ValueError, match="contiguous"):
+        tensor_checksum(t.transpose(0, 1))
+
+
+def test_put_get_roundtrip_and_ownership() -> None:
+    tier, _ = _tier(4)
+    _put(tier, b"a", 1.5)
+    assert tier.contains(b"a") and len(tier) == 1 and not tier.contains(b"b")
+    assert tier.get(b"b") is None
+    lease = _get(tier, b"a")
+    assert torch.equal(lease.tensor, torch.full(SHAPE, 1.5))
+    assert lease.ref_count == 2  # the tier's and ours
+    lease.release()
+    assert tier.pool.used_bytes == CHUNK_BYTES
+
+
+def test_put_replaces_existing_entry() -> None:
+    tier, _ = _tier(4)
+    _put(tier, b"a", 1.0)
+    _put(tier, b"a", 2.0)
+    assert len(tier) == 1 and tier.pool.used_bytes == CHUNK_BYTES
+    with _get(tier, b"a") as lease:
+        assert float(lease.tensor[0, 0, 0]) == 2.0
+
+
+def test_lru_eviction_under_small_budget() -> None:
+    tier, metrics = _tier(3)
+    for i, key in enumerate((b"a", b"b", b"c")):
+        _put(tier, key, float(i))
+    _get(tier, b"a").release()  # a is now most recently used; b is the LRU
+    _put(tier, b"d", 3.0)
+    assert not tier.contains(b"b")
+    assert all(tier.contains(k) for k in (b"a", b"c", b"d"))
+    assert metrics.value("evicted_chunks") == 1
+    assert tier.touch(b"c") and not tier.touch(b"b")  # c most recent: a is next to go
+    _put(tier, b"e", 4.0)
+    assert not tier.contains(b"a") and tier.contains(b"c")
+    assert tier.pool.used_bytes == 3 * CHUNK_BYTES
+
+
+def test_leased_chunks_survive_eviction() -> None:
+    tier, metrics = _tier(2)
+    _put(tier, b"a", 1.0)
+    _put(tier, b"b", 2.0)
+    held = _get(tier, b"a")  # a retrieve is reading a
+    tier.touch(b"b")  # a is the LRU, but leased
+    _put(tier, b"c", 3.0)
+    assert tier.contains(b"a") and not tier.contains(b"b") and tier.contains(b"c")
+    held_c = _get(tier, b"c")
+    assert tier.allocate(SHAPE, torch.float32) is None  # everything leased: no room, no wait
+    assert torch.equal(held.tensor, torch.full(SHAPE, 1.0))  # bytes intact
+    assert metrics.value("evicted_chunks") == 1
+    held.release()
+    held_c.release()
+    lease = tier.allocate(SHAPE, torch.float32)
+    assert lease is not None
+    lease.release()
+
+
+def test_allocation_larger_than_budget_evicts_nothing() -> None:
+    tier, _ = _tier(2)
+    _put(tier, b"a", 1.0)
+    assert tier.allocate((5, 4, 32), torch.float32) is None
+    assert tier.contains(b"a")
+
+
+def test_checksum_mismatch_is_a_counted_miss() -> None:
+    tier, metrics = _tier(4)
+    _put(tier, b"a", 1.0)
+    with _get(tier, b"a") as lease:
+        lease.tensor.view(torch.uint8).reshape(-1)[17] ^= 0x40  # corrupt the stored bytes
+    assert tier.get(b"a") is None
+    assert metrics.value("checksum_failures") == 1
+    assert not tier.contains(b"a")
+    assert tier.pool.used_bytes == 0  # the dropped entry's bytes came back
+
+
+def test_no_checksum_means_no_verification() -> None:
+    tier, metrics = _tier(4)
+    _put(tier, b"a", 1.0, checksum=False)
+    with _get(tier, b"a") as lease:
+        lease.tensor[0, 0, 0] = 9.0
+    with _get(tier, b"a") as lease:
+        assert float(lease.tensor[0, 0, 0]) == 9.0
+    assert metrics.value("checksum_failures") == 0
+
+
+def test_remove_and_clear_return_bytes() -> None:
+    tier, _ = _tier(4)
+    for i, key in enumerate((b"a", b"b", b"c")):
+        _put(tier, key, float(i))
+    assert tier.remove(b"b") and not tier.remove(b"b")
+    held = _get(tier, b"a")
+    tier.clear()
+    assert len(tier) == 0 and not tier.contains(b"a")
+    assert torch.equal(held.tensor, torch.zeros(SHAPE))  # still valid for its holder
+    assert tier.pool.used_bytes == CHUNK_BYTES
+    held.release()
+    assert tier.pool.used_bytes == 0

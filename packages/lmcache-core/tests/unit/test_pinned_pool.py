@@ -1,0 +1,183 @@
+# SPDX-License-Identifier: Apache-2.0
+"""HostMemoryPool and MemoryLease: budget, alignment, sharing, misuse, thread safety."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from lmcache.memory import ALIGNMENT, HostMemoryPool, LeaseError, MemoryLease
+
+
+def _lease(pool: HostMemoryPool, shape: tuple[int, ...], dtype: torch.dtype) -> MemoryLease:
+    lease = pool.allocate(shape, dtype)
+    assert lease is not None, f"allocation of {shape} {dtype} failed in {pool}"
+    return lease
+
+
+def test_allocate_gives_shape_dtype_and_aligned_accounting() -> None:
+    pool = HostMemoryPool(1 << 20, pin=False, slab_bytes=1 << 16)
+    a = _lease(pool, (2, 3, 5), torch.bfloat16)  # 60 bytes -> one 256-byte unit
+    b = _lease(pool, (7,), torch.float32)
+    assert a.tensor.shape == (2, 3, 5) and a.tensor.dtype == torch.bfloat16
+    assert a.nbytes == 60 and b.nbytes == 28
+    assert pool.used_bytes == 2 * ALIGNMENT
+    assert pool.free_bytes == pool.budget_bytes - 2 * ALIGNMENT
+    assert (b.tensor.data_ptr() - a.tensor.data_ptr()) % ALIGNMENT == 0
+    assert not pool.pinned
+    a.release()
+    b.release()
+    assert pool.used_bytes == 0
+
+
+def test_leases_do_not_overlap() -> None:
+    pool = HostMemoryPool(1 << 16, pin=False, slab_bytes=4096)
+    leases = [_lease(pool, (100 + i,), torch.int32) for i in range(20)]
+    for i, lease in enumerate(leases):
+        lease.tensor.fill_(i)
+    for i, lease in enumerate(leases):
+        assert torch.equal(lease.tensor, torch.full_like(lease.tensor, i))
+        lease.release()
+    assert pool.used_bytes == 0
+
+
+def test_budget_is_respected_and_bytes_return_on_release() -> None:
+    pool = HostMemoryPool(4 * ALIGNMENT, pin=False, slab_bytes=4 * ALIGNMENT)
+    leases = [_lease(pool, (ALIGNMENT,), torch.uint8) for _ in range(4)]
+    assert pool.allocate((1,), torch.uint8) is None
+    assert pool.allocate((5 * ALIGNMENT,), torch.uint8) is None
+    assert pool.reserved_bytes <= pool.budget_bytes
+    leases[2].release()
+    again = pool.allocate((ALIGNMENT,), torch.uint8)
+    assert again is not None
+    assert again.tensor.data_ptr() == leases[3].tensor.data_ptr() - ALIGNMENT  # reused hole
+    for lease in [leases[0], leases[1], leases[3], again]:
+        lease.release()
+    assert pool.used_bytes == 0
+
+
+def test_zero_budget_allocates_nothing() -> None:
+    pool = HostMemoryPool(0, pin=False)
+    assert pool.allocate((1,), torch.uint8) is None
+    assert pool.reserved_bytes == 0
+
+
+def test_slabs_are_lazy() -> None:
+    pool = HostMemoryPool(1 << 30, pin=False, slab_bytes=1 << 20)
+    assert pool.reserved_bytes == 0
+    with _lease(pool, (10,), torch.uint8):
+        assert pool.reserved_bytes == 1 << 20
+
+
+def test_free_ranges_coalesce() -> None:
+    pool = HostMemoryPool(4 * ALIGNMENT, pin=False, slab_bytes=4 * ALIGNMENT)
+    a, b, c, d = (_lease(pool, (ALIGNMENT,), torch.uint8) for _ in range(4))
+    c.release()
+    b.release()  # b and c merge into one 2-unit hole
+    big = pool.allocate((2 * ALIGNMENT,), torch.uint8)
+    assert big is not None
+    assert big.tensor.data_ptr() == a.tensor.data_ptr() + ALIGNMENT
+    for lease in (a, d, big):
+        lease.release()
+    whole = pool.allocate((4 * ALIGNMENT,), torch.uint8)  # everything merged back
+    assert whole is not None
+    whole.release()
+
+
+def test_large_allocation_gets_its_own_slab_within_budget() -> None:
+    pool = HostMemoryPool(8 * ALIGNMENT, pin=False, slab_bytes=2 * ALIGNMENT)
+    small = _lease(pool, (10,), torch.uint8)
+    small.release()  # leaves an empty shared slab of 2 units
+    big = pool.allocate((8 * ALIGNMENT,), torch.uint8)  # needs the empty slab dropped
+    assert big is not None and big.tensor.shape == (8 * ALIGNMENT,)
+    assert pool.reserved_bytes == 8 * ALIGNMENT
+    assert pool.allocate((1,), torch.uint8) is None
+    big.release()
+    assert pool.reserved_bytes == 0 and pool.used_bytes == 0
+    assert pool.allocate((9 * ALIGNMENT,), torch.uint8) is None
+
+
+def test_share_keeps_bytes_until_last_release() -> None:
+    pool = HostMemoryPool(1 << 16, pin=False)
+    lease = _lease(pool, (4, 4), torch.float32)
+    other = lease.share()
+    assert lease.ref_count == 2 and other.tensor.data_ptr() == lease.tensor.data_ptr()
+    lease.release()
+    assert other.ref_count == 1 and pool.used_bytes == ALIGNMENT
+    other.tensor.fill_(3.0)  # still valid
+    other.release()
+    assert pool.used_bytes == 0
+
+
+def test_misuse_raises_lease_error() -> None:
+    pool = HostMemoryPool(1 << 16, pin=False)
+    lease = _lease(pool, (8,), torch.float16)
+    lease.release()
+    with pytest.raises(LeaseError, match="already released"):
+        lease.release()
+    with pytest.raises(LeaseError, match=r"lease\.tensor"):
+        _ = lease.tensor
+    with pytest.raises(LeaseError):
+        lease.share()
+    assert lease.released and pool.used_bytes == 0
+
+
+def test_context_manager_releases() -> None:
+    pool = HostMemoryPool(1 << 16, pin=False)
+    with _lease(pool, (8,), torch.float16) as lease:
+        assert pool.used_bytes == ALIGNMENT
+    assert lease.released and pool.used_bytes == 0
+    with pytest.raises(LeaseError):
+        _ = lease.tensor
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="budget_bytes"):
+        HostMemoryPool(-1)
+    with pytest.raises(ValueError, match="slab_bytes"):
+        HostMemoryPool(10, slab_bytes=0)
+    with pytest.raises(ValueError, match="negative"):
+        HostMemoryPool(1 << 10, pin=False).allocate((-1, 2), torch.uint8)
+
+
+def test_pin_default_follows_cuda() -> None:
+    assert HostMemoryPool(1 << 10).pinned == torch.cuda.is_available()
+
+
+def test_two_threads_allocate_and_release() -> None:
+    pool = HostMemoryPool(64 * ALIGNMENT, pin=False, slab_bytes=16 * ALIGNMENT)
+    errors: list[str] = []
+
+    def worker(tag: int) -> None:
+        rng = random.Random(tag)
+        held: list[tuple[MemoryLease, int]] = []
+        for step in range(400):
+            if held and (rng.random() < 0.5 or len(held) > 8):
+                lease, value = held.pop(rng.randrange(len(held)))
+                if not bool((lease.tensor == value).all()):
+                    errors.append(f"thread {tag}: lease bytes overwritten by another lease")
+                lease.release()
+                continue
+            new = pool.allocate((rng.randint(1, 3 * ALIGNMENT),), torch.uint8)
+            if new is None:
+                continue
+            value = (tag * 100 + step) % 251
+            new.tensor.fill_(value)
+            held.append((new, value))
+        for remaining, _ in held:
+            remaining.release()
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert pool.used_bytes == 0
+    assert pool.reserved_bytes <= pool.budget_bytes
+    whole = pool.allocate((16 * ALIGNMENT,), torch.uint8)  # free lists fully coalesced
+    assert whole is not None
+    whole.release()
