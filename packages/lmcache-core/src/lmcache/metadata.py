@@ -51,7 +51,9 @@ class LMCacheMetadata:
     def __post_init__(self) -> None:
         problems = []
         if not 0 <= self.worker_id < self.world_size:
-            problems.append(f"worker_id={self.worker_id} must be in [0, world_size={self.world_size})")
+            problems.append(
+                f"worker_id={self.worker_id} must be in [0, world_size={self.world_size})"
+            )
         if not 0 <= self.local_worker_id < max(self.local_world_size, 1):
             problems.append(
                 f"local_worker_id={self.local_worker_id} must be in "

@@ -21,7 +21,7 @@ _INSTALL_HINT = (
     'pip install "lmcache-core[vllm]" (or pip install lmcache-vllm)'
 )
 
-__all__ = ["LMCacheConnectorV1Impl"]
+__all__ = ["LMCacheConnectorV1Impl"]  # noqa: F822 - provided lazily by __getattr__
 
 
 def _target() -> ModuleType:

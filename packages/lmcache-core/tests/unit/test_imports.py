@@ -1,0 +1,114 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Import hygiene: ``import lmcache`` pulls in no engine; public names are pinned."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import lmcache.gpu_connector
+import lmcache.gpu_connector.gpu_ops
+import lmcache.gpu_connector.reference
+import lmcache.gpu_connector.registry
+import lmcache.gpu_connector.utils
+import lmcache.testing
+
+EXPECTED_GPU_CONNECTOR_ALL = [
+    "ChunkTransfer",
+    "CreateGPUConnector",
+    "EngineInfo",
+    "GPUConnectorInterface",
+    "KVLayoutError",
+    "SupportsLayerwise",
+    "TransferSpec",
+    "register_gpu_connector",
+    "registered_gpu_connectors",
+    "supports_layerwise",
+]
+
+
+def _fresh_interpreter(code: str) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_import_lmcache_leaves_engines_out() -> None:
+    result = _fresh_interpreter(
+        "import json, sys\n"
+        "import lmcache, lmcache.gpu_connector, lmcache.gpu_connector.registry\n"
+        "from lmcache.gpu_connector import CreateGPUConnector, registered_gpu_connectors\n"
+        "registered_gpu_connectors()\n"
+        "engines = sorted(m for m in sys.modules if m.split('.')[0] in\n"
+        "    ('vllm', 'sglang', 'lmcache_vllm', 'lmcache_sglang', 'pytest'))\n"
+        "print(json.dumps({'engines': engines}))\n"
+    )
+    assert result == {"engines": []}
+
+
+def test_import_gpu_connector_is_lazy() -> None:
+    result = _fresh_interpreter(
+        "import json, sys\n"
+        "import lmcache.gpu_connector\n"
+        "print(json.dumps({'registry': 'lmcache.gpu_connector.registry' in sys.modules}))\n"
+    )
+    assert result == {"registry": False}
+
+
+def test_gpu_connector_all_pinned() -> None:
+    assert lmcache.gpu_connector.__all__ == EXPECTED_GPU_CONNECTOR_ALL
+    for name in EXPECTED_GPU_CONNECTOR_ALL:
+        assert getattr(lmcache.gpu_connector, name) is not None
+    assert set(EXPECTED_GPU_CONNECTOR_ALL) <= set(dir(lmcache.gpu_connector))
+
+
+def test_submodule_all_pinned() -> None:
+    assert sorted(lmcache.gpu_connector.registry.__all__) == sorted(
+        [
+            "ENTRY_POINT_GROUP",
+            "ENGINE_EXTRA",
+            "PLUGINS_ENV",
+            "PLUGIN_AUTOLOAD_ENV",
+            "ConnectorSelector",
+            "CreateGPUConnector",
+            "register_gpu_connector",
+            "registered_gpu_connectors",
+        ]
+    )
+    assert lmcache.gpu_connector.registry.ENTRY_POINT_GROUP == "lmcache.gpu_connectors"
+    assert sorted(lmcache.gpu_connector.gpu_ops.__all__) == sorted(
+        [
+            "DEVICE_ENTRY_POINT_GROUP",
+            "HostDeviceOps",
+            "get_device_ops",
+            "lmcache_memcpy_async_d2h",
+            "lmcache_memcpy_async_h2d",
+            "register_device_ops",
+            "registered_device_types",
+        ]
+    )
+    assert sorted(lmcache.gpu_connector.reference.__all__) == [
+        "gather_paged",
+        "pack_kv",
+        "scatter_paged",
+        "unpack_kv",
+    ]
+    assert sorted(lmcache.gpu_connector.utils.__all__) == [
+        "current_stream_for",
+        "get_device_type",
+        "is_pinned_memory_available",
+        "need_gpu_interm_buffer",
+    ]
+    assert lmcache.testing.__all__ == ["GPUConnectorConformance", "PagedCPUConnector"]
+
+
+def test_unknown_attribute_is_attribute_error() -> None:
+    try:
+        lmcache.gpu_connector.NoSuchThing  # noqa: B018
+    except AttributeError as exc:
+        assert "NoSuchThing" in str(exc)
+    else:
+        raise AssertionError("expected AttributeError")
