@@ -65,9 +65,7 @@ def core(session: nox.Session) -> None:
     """lmcache-core unit tests on the CPU (hermetic, no engine)."""
     session.install(CORE_TORCH, *CORE_DEPS, *TEST_DEPS)
     session.install("--no-deps", *_editable("lmcache-core"))
-    session.run(
-        "pytest", "packages/lmcache-core/tests", "-q", "--timeout=600", *session.posargs
-    )
+    session.run("pytest", "packages/lmcache-core/tests", "-q", "--timeout=600", *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -76,9 +74,7 @@ def vllm(session: nox.Session, version: str) -> None:
     """lmcache-vllm unit tests and end-to-end tests on real vLLM (CPU build)."""
     _install_vllm(session, version)
     session.env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    session.run(
-        "pytest", "packages/lmcache-vllm/tests", "-q", "--timeout=900", *session.posargs
-    )
+    session.run("pytest", "packages/lmcache-vllm/tests", "-q", "--timeout=900", *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -107,7 +103,14 @@ def gpu(session: nox.Session) -> None:
     if shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidia0"):
         session.skip("no CUDA GPU on this machine (nvidia-smi not found): run `nox -s gpu` on one")
     session.run(
-        "python", "-m", "pytest", "-m", "gpu", "-q", "-rs",
-        "packages/lmcache-core/tests", "packages/lmcache-vllm/tests/unit",
+        "python",
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-q",
+        "-rs",
+        "packages/lmcache-core/tests",
+        "packages/lmcache-vllm/tests/unit",
         *session.posargs,
     )
