@@ -4,7 +4,7 @@
 The README's two commands:
 
 - ``nox -s demo``: real vLLM on the CPU, a tiny model built locally, lmcache's CPU tier.
-- ``nox -s lint core vllm``: the test command CI runs (``.ci/run``).
+- ``nox -s lint core``: the test command CI runs (``.ci/run``).
 
 Other sessions: ``gpu`` (CUDA tests, skipped with a reason without a GPU) and ``bench``.
 Every session installs what it needs itself; engine venvs use Python 3.11 because the engine's
@@ -21,7 +21,7 @@ import nox
 nox.needs_version = ">=2024.3.2"
 # pip (not uv): this machine's local torch files are found through pip's find-links only.
 nox.options.default_venv_backend = "virtualenv"
-nox.options.sessions = ["lint", "core", "vllm"]
+nox.options.sessions = ["lint", "core"]
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"
