@@ -68,10 +68,18 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def core(session: nox.Session) -> None:
-    """lmcache-core unit tests on the CPU (hermetic, no engine)."""
+    """lmcache-core unit tests on the CPU (hermetic, no engine), plus the skeleton packages'."""
     session.install(CORE_TORCH, *CORE_DEPS, *TEST_DEPS)
-    session.install("--no-deps", *_editable("lmcache-core"))
-    session.run("pytest", "packages/lmcache-core/tests", "-q", "--timeout=600", *session.posargs)
+    session.install("--no-deps", *_editable("lmcache-core", "lmcache-sglang", "lmcache-xpu"))
+    session.run(
+        "pytest",
+        "packages/lmcache-core/tests",
+        "packages/lmcache-sglang/tests",
+        "packages/lmcache-xpu/tests",
+        "-q",
+        "--timeout=600",
+        *session.posargs,
+    )
 
 
 @nox.session(python=PYTHON)
