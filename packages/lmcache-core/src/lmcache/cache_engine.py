@@ -456,7 +456,11 @@ class LMCacheEngine:
         )
 
     def clear(self) -> None:
-        """Drop every stored chunk."""
+        """Drop every stored chunk of this engine's tier.
+
+        With a shared tier (:func:`lmcache.tiers.process_cpu_tier`) that is every chunk of the
+        process, whichever engine stored it.
+        """
         self.tier.clear()
 
     def close(self) -> None:

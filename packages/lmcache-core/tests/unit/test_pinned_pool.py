@@ -181,3 +181,15 @@ def test_two_threads_allocate_and_release() -> None:
     whole = pool.allocate((16 * ALIGNMENT,), torch.uint8)  # free lists fully coalesced
     assert whole is not None
     whole.release()
+
+
+def test_chunks_leased_under_inference_mode_are_writable_outside_it() -> None:
+    """Engines run under torch.inference_mode(); leased buffers must stay ordinary tensors."""
+    pool = HostMemoryPool(1 << 20, pin=False)
+    with torch.inference_mode():
+        lease = pool.allocate((4, 8), torch.float32)
+    assert lease is not None
+    assert not lease.tensor.is_inference()
+    lease.tensor.fill_(3.0)  # would raise for an inference tensor or a view made in that mode
+    assert torch.equal(lease.tensor, torch.full((4, 8), 3.0))
+    lease.release()

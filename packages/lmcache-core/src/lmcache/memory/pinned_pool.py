@@ -287,7 +287,10 @@ class HostMemoryPool:
                 return None
             slab, offset = placed
             self._used += size
-            view = slab.tensor[offset : offset + nbytes].view(dtype).view(shape)
+            # Engines call us under torch.inference_mode(); chunk views made there could not be
+            # written outside it, so they are made as normal tensors.
+            with torch.inference_mode(False):
+                view = slab.tensor[offset : offset + nbytes].view(dtype).view(shape)
             return MemoryLease(self, _Allocation(slab, offset, size, view))
 
     def _place(self, size: int) -> tuple[_Slab, int] | None:
@@ -327,7 +330,8 @@ class HostMemoryPool:
 
     def _new_slab(self, size: int, *, dedicated: bool) -> _Slab | None:
         try:
-            tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
+            with torch.inference_mode(False):  # a normal tensor even if the engine is in it
+                tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
         except RuntimeError as exc:
             logger.warning(
                 "HostMemoryPool could not allocate a %d-byte %s host slab (%s); the allocation "
