@@ -121,7 +121,10 @@ def test_registered_view_is_read_only_and_live() -> None:
     assert view["mock.cpu"] == MOCK_TARGET
 
 
-def test_unknown_key_lists_registered_and_names_package() -> None:
+def test_unknown_key_lists_registered_and_names_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Hermetic: adapters installed in this environment (lmcache-vllm registers vllm.cuda) stay out.
+    monkeypatch.setenv("LMCACHE_PLUGIN_AUTOLOAD", "0")
+    registry_mod._reset_for_tests()
     register_gpu_connector("mock.cpu", MOCK_TARGET)
     with pytest.raises(ValueError) as excinfo:
         CreateGPUConnector(CONFIG, META, _engine(name="vllm", device="cuda"))
