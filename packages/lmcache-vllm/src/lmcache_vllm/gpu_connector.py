@@ -1,0 +1,384 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GPU connectors for vLLM 0.32/0.33 paged KV caches (``vllm.cpu`` and ``vllm.cuda``).
+
+vLLM hands every attention layer's cache as a 4-D *logical* view ``[num_blocks, num_kv_heads,
+block_size, C]`` of one shared buffer (RFC #42082); what the ``C`` axis means, and the physical
+order behind the view, depend on the attention backend. Three block formats are handled, chosen
+by ``layout_hints["kv_format"]`` (the adapter probes vLLM's own cache-write kernel to choose) or
+by the device default:
+
+- ``"kv_concat"`` (default on CUDA; FlashAttention and friends): ``C = head_k + head_v``, token
+  ``t`` of head ``h`` holds ``K || V`` at ``[b, h, t, :]``. Any strides: physical LBHNC
+  (``[blocks, heads, block_size, C]`` in memory) and LBNHC (``[blocks, block_size, heads, C]``)
+  both work, because indexing goes through the strided view.
+- ``"cpu_kt_v"`` (default on CPU; vLLM's CPU attention, ``vec``/``vec16`` kernels): the same
+  logical shape with ``C = 2 * head_size``, but each ``(block, head)`` run of
+  ``2 * block_size * head_size`` elements holds K *transposed* ``[head_size, block_size]``
+  followed by V ``[block_size, head_size]``. The ``[b, h]`` run must be contiguous.
+- ``"mla"``: one latent per token, ``[num_blocks, block_size, latent]`` or
+  ``[num_blocks, 1, block_size, latent]``.
+
+Every transfer moves all chunks of a request at once: the tokens' KV of every layer is gathered
+into one staging tensor ``[num_layers, num_tokens, kv_width]`` (on the device when
+``config.gpu_staging_buffer``), then copied into each chunk's host buffer (one copy per chunk);
+loads run the same path backwards. This module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmcache.gpu_connector.interface import (
+    ChunkTransfer,
+    EngineInfo,
+    GPUConnectorInterface,
+    KVLayoutError,
+    SupportsLayerwise,
+    TransferSpec,
+)
+
+if TYPE_CHECKING:
+    from lmcache.config import LMCacheConfig
+    from lmcache.metadata import LMCacheMetadata
+
+__all__ = [
+    "KV_FORMATS",
+    "VLLMPagedConnector",
+    "select_cpu",
+    "select_cuda",
+]
+
+logger = logging.getLogger(__name__)
+
+KV_FORMATS = ("kv_concat", "cpu_kt_v", "mla")
+"""Block formats :class:`VLLMPagedConnector` understands (see the module docstring)."""
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape={tuple(t.shape)} strides={tuple(t.stride())} dtype={t.dtype} device={t.device}"
+
+
+class VLLMPagedConnector(GPUConnectorInterface, SupportsLayerwise):
+    """Moves KV between vLLM's per-layer paged caches and canonical chunk buffers.
+
+    Args:
+        config: lmcache configuration (``gpu_staging_buffer`` is read).
+        metadata: Geometry the caches must match.
+        engine: ``EngineInfo(name="vllm", device=..., kv_caches=[per-layer tensors in layer
+            order], extra={"block_size": ...})``.
+        layout_hints: Optional ``{"kv_format": "kv_concat" | "cpu_kt_v" | "mla"}``.
+
+    Raises:
+        KVLayoutError: the tensors do not match the metadata or the format (message gives the
+            shape and strides found and what was expected).
+    """
+
+    def __init__(
+        self,
+        config: LMCacheConfig,
+        metadata: LMCacheMetadata,
+        engine: EngineInfo,
+        layout_hints: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(config, metadata, engine, layout_hints)
+        caches = list(engine.kv_caches)
+        if not caches:
+            raise KVLayoutError(
+                "vLLM connector got no KV cache tensors (engine.kv_caches is empty)"
+            )
+        for i, t in enumerate(caches):
+            if not isinstance(t, torch.Tensor):
+                raise KVLayoutError(
+                    f"layer {i}: expected one tensor per layer, found {type(t).__name__}"
+                )
+        if len(caches) != metadata.num_layers:
+            raise KVLayoutError(
+                f"found {len(caches)} KV cache layers, metadata expects {metadata.num_layers}"
+            )
+        first = caches[0]
+        for i, t in enumerate(caches[1:], start=1):
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise KVLayoutError(
+                    f"layer {i} ({_describe(t)}) differs from layer 0 ({_describe(first)}); "
+                    "all layers must share one geometry"
+                )
+        if first.dtype != metadata.kv_dtype:
+            raise KVLayoutError(
+                f"KV dtype {first.dtype} differs from metadata.kv_dtype {metadata.kv_dtype}"
+            )
+        fmt = self.layout_hints.get("kv_format")
+        if fmt is None:
+            fmt = (
+                "mla"
+                if metadata.use_mla
+                else ("cpu_kt_v" if first.device.type == "cpu" else "kv_concat")
+            )
+        if fmt not in KV_FORMATS:
+            raise KVLayoutError(f"unknown kv_format {fmt!r}; expected one of {KV_FORMATS}")
+        self.kv_format: str = fmt
+        self._caches = [self._normalise(i, t) for i, t in enumerate(caches)]
+        self.block_size: int = int(self._caches[0].shape[-2])
+        hinted = engine.extra.get("block_size")
+        if hinted is not None and int(hinted) != self.block_size:
+            raise KVLayoutError(
+                f"KV tensors have block_size {self.block_size} on axis -2 ({_describe(first)}) "
+                f"but the engine reports block_size={hinted}"
+            )
+        self.num_blocks: int = int(self._caches[0].shape[0])
+        self.device = first.device
+        self._use_staging = bool(getattr(config, "gpu_staging_buffer", True))
+        self._last_stream: Any = None
+
+    # -- geometry -------------------------------------------------------------------------
+
+    def _normalise(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        md = self.metadata
+        if self.kv_format == "mla":
+            if t.dim() == 4 and t.shape[1] == 1:
+                t = t[:, 0]
+            if t.dim() != 3 or t.shape[2] != md.head_size_k:
+                raise KVLayoutError(
+                    f"layer {i}: MLA cache {_describe(t)}; expected [num_blocks, block_size, "
+                    f"{md.head_size_k}] or [num_blocks, 1, block_size, {md.head_size_k}]"
+                )
+            return t
+        expected_c = md.head_size_k + md.head_size_v
+        if t.dim() != 4 or t.shape[1] != md.num_kv_heads or t.shape[3] != expected_c:
+            raise KVLayoutError(
+                f"layer {i}: KV cache {_describe(t)}; expected [num_blocks, {md.num_kv_heads} "
+                f"kv heads, block_size, {expected_c} = head_k {md.head_size_k} + head_v "
+                f"{md.head_size_v}] (vLLM 0.32/0.33 per-layer view)"
+            )
+        if self.kv_format == "cpu_kt_v":
+            if md.head_size_k != md.head_size_v:
+                raise KVLayoutError(
+                    f"layer {i}: cpu_kt_v needs head_k == head_v, found {md.head_size_k} and "
+                    f"{md.head_size_v}"
+                )
+            n, c = t.shape[2], t.shape[3]
+            if t.stride(3) != 1 or t.stride(2) != c:
+                raise KVLayoutError(
+                    f"layer {i}: vLLM CPU cache {_describe(t)}; each [block, head] run of "
+                    f"{n}x{c} elements must be contiguous (strides [..., {c}, 1]); a CPU cache "
+                    "is physically LBHNC"
+                )
+        return t
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._caches)
+
+    @property
+    def kv_width(self) -> int:
+        return self.metadata.kv_width
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._caches[0].dtype
+
+    # -- per-layer gather / scatter ----------------------------------------------------------
+
+    def _gather_layer(self, layer: int, blocks: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """KV of tokens at ``(blocks, offs)`` of one layer as ``[num_tokens, kv_width]``."""
+        t = self._caches[layer]
+        n = blocks.numel()
+        if self.kv_format == "mla":
+            return t[blocks, offs]
+        md = self.metadata
+        if self.kv_format == "kv_concat":
+            x = t[blocks, :, offs, :]  # [n, heads, hk + hv]
+            k = x[:, :, : md.head_size_k].reshape(n, -1)
+            v = x[:, :, md.head_size_k :].reshape(n, -1)
+            return torch.cat((k, v), dim=1)
+        hs, bs = md.head_size_k, t.shape[2]
+        flat = t.flatten(2)  # [B, H, 2 * bs * hs]
+        kt = flat[:, :, : hs * bs].unflatten(2, (hs, bs))  # [B, H, hs, bs]
+        vv = flat[:, :, hs * bs :].unflatten(2, (bs, hs))  # [B, H, bs, hs]
+        k = kt[blocks, :, :, offs]  # [n, H, hs]
+        v = vv[blocks, :, offs, :]  # [n, H, hs]
+        return torch.cat((k.reshape(n, -1), v.reshape(n, -1)), dim=1)
+
+    def _scatter_layer(
+        self, layer: int, blocks: torch.Tensor, offs: torch.Tensor, src: torch.Tensor
+    ) -> None:
+        """Write ``src`` ``[num_tokens, kv_width]`` into one layer's slots."""
+        t = self._caches[layer]
+        n = blocks.numel()
+        if self.kv_format == "mla":
+            t[blocks, offs] = src
+            return
+        md = self.metadata
+        heads = md.num_kv_heads
+        k = src[:, : heads * md.head_size_k].reshape(n, heads, md.head_size_k)
+        v = src[:, heads * md.head_size_k :].reshape(n, heads, md.head_size_v)
+        if self.kv_format == "kv_concat":
+            t[blocks, :, offs, :] = torch.cat((k, v), dim=2)
+            return
+        hs, bs = md.head_size_k, t.shape[2]
+        flat = t.flatten(2)
+        kt = flat[:, :, : hs * bs].unflatten(2, (hs, bs))
+        vv = flat[:, :, hs * bs :].unflatten(2, (bs, hs))
+        kt[blocks, :, :, offs] = k
+        vv[blocks, :, offs, :] = v
+
+    # -- request-level bookkeeping -------------------------------------------------------------
+
+    def _check_chunks(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
+        for c in chunks:
+            want = self.chunk_shape(c.num_tokens)
+            if tuple(c.buffer.shape) != want:
+                raise ValueError(
+                    f"chunk [{c.start}, {c.end}) buffer has shape {tuple(c.buffer.shape)}; "
+                    f"expected {want} ([num_layers, num_tokens, kv_width])"
+                )
+            if c.buffer.dtype != self.dtype:
+                raise ValueError(
+                    f"chunk [{c.start}, {c.end}) buffer has dtype {c.buffer.dtype}; expected "
+                    f"{self.dtype} (the KV cache dtype)"
+                )
+            if c.start < 0 or c.end > transfer.slot_mapping.numel() or c.end <= c.start:
+                raise ValueError(
+                    f"chunk [{c.start}, {c.end}) is outside the slot mapping of "
+                    f"{transfer.slot_mapping.numel()} tokens"
+                )
+
+    def _token_slots(
+        self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec, skip: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(positions in the staging tensor, block ids, block offsets)`` of moved tokens."""
+        idx = torch.cat([torch.arange(c.start, c.end) for c in chunks])
+        pos = torch.arange(idx.numel())
+        if skip > 0:
+            keep = idx >= skip
+            idx, pos = idx[keep], pos[keep]
+        slots = transfer.slot_mapping.to("cpu", torch.int64)[idx]
+        if slots.numel() and int(slots.min()) < 0:
+            bad = idx[slots < 0][:8].tolist()
+            raise ValueError(
+                f"slot mapping has -1 for tokens {bad} that a chunk transfers; every "
+                "transferred token needs a slot"
+            )
+        limit = self.num_blocks * self.block_size
+        if slots.numel() and int(slots.max()) >= limit:
+            raise ValueError(
+                f"slot {int(slots.max())} is beyond the cache ({self.num_blocks} blocks x "
+                f"{self.block_size} tokens)"
+            )
+        blocks = torch.div(slots, self.block_size, rounding_mode="floor")
+        offs = slots - blocks * self.block_size
+        return pos.to(self.device), blocks.to(self.device), offs.to(self.device)
+
+    def _stream_ctx(self, transfer: TransferSpec) -> Any:
+        """Run on ``transfer.stream``, ordered after the work already queued on the current
+        stream (the engine's writes of the KV being saved, or its reads of the pages)."""
+        import contextlib
+
+        if self.device.type == "cuda" and transfer.stream is not None:
+            transfer.stream.wait_stream(torch.cuda.current_stream(self.device))
+            return torch.cuda.stream(transfer.stream)
+        return contextlib.nullcontext()
+
+    def _staging(self, layers: int, num_tokens: int) -> torch.Tensor:
+        where = self.device if self._use_staging else torch.device("cpu")
+        return torch.empty((layers, num_tokens, self.kv_width), dtype=self.dtype, device=where)
+
+    def _sync(self, transfer: TransferSpec) -> None:
+        if self.device.type == "cuda":
+            stream = transfer.stream or torch.cuda.current_stream(self.device)
+            stream.synchronize()
+
+    # -- GPUConnectorInterface ----------------------------------------------------------------
+
+    def from_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
+        self._from(range(self.num_layers), chunks, transfer)
+
+    def to_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
+        self._to(range(self.num_layers), chunks, transfer)
+
+    def from_gpu_layer(
+        self, layer: int, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> None:
+        self._from(range(layer, layer + 1), chunks, transfer)
+
+    def to_gpu_layer(
+        self, layer: int, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> None:
+        self._to(range(layer, layer + 1), chunks, transfer)
+
+    def _from(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
+        if not chunks:
+            return
+        self._check_chunks(chunks, transfer)
+        pos, blocks, offs = self._token_slots(chunks, transfer, 0)
+        with self._stream_ctx(transfer):
+            staging = self._staging(len(layers), pos.numel())
+            for i, layer in enumerate(layers):
+                staging[i].copy_(self._gather_layer(layer, blocks, offs), non_blocking=True)
+            start = 0
+            for c in chunks:
+                n = c.num_tokens
+                dst = c.buffer[layers.start : layers.stop]
+                dst.copy_(staging[:, start : start + n], non_blocking=True)
+                start += n
+        self._sync(transfer)
+
+    def _to(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
+        if not chunks:
+            return
+        self._check_chunks(chunks, transfer)
+        pos, blocks, offs = self._token_slots(chunks, transfer, transfer.skip_tokens)
+        if pos.numel() == 0:
+            return
+        with self._stream_ctx(transfer):
+            staging = self._staging(len(layers), sum(c.num_tokens for c in chunks))
+            start = 0
+            for c in chunks:
+                n = c.num_tokens
+                staging[:, start : start + n].copy_(
+                    c.buffer[layers.start : layers.stop], non_blocking=True
+                )
+                start += n
+            staging = staging.to(self.device, non_blocking=True)
+            for i, layer in enumerate(layers):
+                self._scatter_layer(layer, blocks, offs, staging[i].index_select(0, pos))
+        self._last_stream = transfer.stream
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            stream = self._last_stream or torch.cuda.current_stream(self.device)
+            stream.synchronize()
+
+    def close(self) -> None:
+        self._caches = []
+
+
+def _is_vllm(engine: EngineInfo) -> bool:
+    return engine.name == "vllm"
+
+
+def select_cpu(
+    config: LMCacheConfig,
+    metadata: LMCacheMetadata,
+    engine: EngineInfo,
+    layout_hints: Mapping[str, Any] | None = None,
+) -> type[GPUConnectorInterface] | None:
+    """Selector for ``vllm.cpu`` (entry point ``lmcache.gpu_connectors``)."""
+    if not _is_vllm(engine) or engine.device != "cpu":
+        return None
+    return VLLMPagedConnector
+
+
+def select_cuda(
+    config: LMCacheConfig,
+    metadata: LMCacheMetadata,
+    engine: EngineInfo,
+    layout_hints: Mapping[str, Any] | None = None,
+) -> type[GPUConnectorInterface] | None:
+    """Selector for ``vllm.cuda`` (entry point ``lmcache.gpu_connectors``)."""
+    if not _is_vllm(engine) or engine.device != "cuda":
+        return None
+    return VLLMPagedConnector

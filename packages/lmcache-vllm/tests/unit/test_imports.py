@@ -1,0 +1,34 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Public names are pinned; the GPU connector module never imports vLLM."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import lmcache_vllm
+from lmcache_vllm import gpu_connector, lookup, utils
+
+
+def test_public_names():
+    assert lmcache_vllm.__all__ == ["__version__"]
+    assert sorted(gpu_connector.__all__) == [
+        "KV_FORMATS",
+        "VLLMPagedConnector",
+        "select_cpu",
+        "select_cuda",
+    ]
+    assert sorted(utils.__all__) == [
+        "calculate_local_rank_and_world_size",
+        "get_vllm_torch_dev",
+        "vllm_kv_dtype",
+    ]
+    assert "LookupClient" in lookup.__all__ and "LookupServer" in lookup.__all__
+
+
+def test_gpu_connector_and_lookup_do_not_import_vllm():
+    code = (
+        "import sys, lmcache_vllm, lmcache_vllm.gpu_connector, lmcache_vllm.lookup, "
+        "lmcache_vllm.utils; assert 'vllm' not in sys.modules, 'vllm imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,193 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Scheduler-side bookkeeping of LMCacheConnectorV1Impl with a fake lookup and fake vLLM
+objects: what is loaded, what is saved, slot mappings, picklable metadata."""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lmcache_vllm import vllm_v1_adapter as adapter
+
+CHUNK, BLOCK = 64, 16
+
+
+class FakeClient:
+    def __init__(self, hit: int) -> None:
+        self.hit = hit
+
+    def lookup(self, tokens, salt=""):
+        return min(self.hit, len(tokens))
+
+
+def make_impl(hit: int, **lmcache):
+    extra = {"lmcache.chunk_size": CHUNK, **{f"lmcache.{k}": v for k, v in lmcache.items()}}
+    cfg = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_role="kv_both",
+            engine_id="e",
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy="fail",
+        ),
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, rank=0),
+    )
+    impl = adapter.LMCacheConnectorV1Impl(cfg, SimpleNamespace(name="SCHEDULER"), None)
+    impl._lookup_client = FakeClient(hit)
+    return impl, cfg
+
+
+def request(rid, prompt, salt=None):
+    return SimpleNamespace(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        num_tokens=len(prompt),
+        cache_salt=salt,
+        all_token_ids=list(prompt),
+    )
+
+
+def sched_out(new=(), cached=None, finished=()):
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cached
+        or SimpleNamespace(
+            req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()
+        ),
+        num_scheduled_tokens={},
+        finished_req_ids=set(finished),
+    )
+
+
+def schedule_new(impl, req, num_local, blocks, scheduled):
+    ext = impl.get_num_new_matched_tokens(req, num_local)
+    impl.update_state_after_alloc(req, ext)
+    new = SimpleNamespace(
+        req_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        block_ids=(blocks,),
+        num_computed_tokens=num_local + ext,
+    )
+    out = sched_out([new])
+    out.num_scheduled_tokens = {req.request_id: scheduled}
+    return ext, impl.build_connector_meta(out)
+
+
+def test_config_and_failure_policy():
+    impl, cfg = make_impl(0)
+    assert impl.chunk_size == CHUNK
+    assert cfg.kv_transfer_config.kv_load_failure_policy == "recompute"
+
+
+def test_partial_hit_loads_beyond_vllm_and_saves_the_rest():
+    impl, _ = make_impl(hit=192)
+    req = request("a", list(range(300)), salt="t1")
+    ext, meta = schedule_new(impl, req, num_local=64, blocks=list(range(1, 20)), scheduled=108)
+    assert ext == 128
+    (r,) = meta.requests
+    assert r.load == adapter.LoadSpec(vllm_cached=64, lmcache_hit=192, load_end=192)
+    assert r.save == adapter.SaveSpec(skip=192, end=256)  # 300 computed: 4 full chunks
+    assert r.salt == "t1" and r.token_ids == list(range(256))
+    restored = pickle.loads(pickle.dumps(meta))
+    assert restored.requests[0] == r
+
+
+def test_full_hit_reports_one_token_less():
+    impl, _ = make_impl(hit=256)
+    ext, meta = schedule_new(impl, request("b", list(range(256))), 0, list(range(1, 17)), 1)
+    assert ext == 255
+    assert meta.requests[0].load.load_end == 255
+    assert meta.requests[0].save is None  # all 4 chunks are stored already
+
+
+def test_never_below_vllm_prefix_cache():
+    impl, _ = make_impl(hit=128)
+    ext, meta = schedule_new(impl, request("c", list(range(300))), 192, list(range(1, 20)), 108)
+    assert ext == 0
+    assert meta.requests[0].load is None
+    assert meta.requests[0].save == adapter.SaveSpec(skip=0, end=256)
+
+
+def test_vllm_declining_the_load_drops_it():
+    impl, _ = make_impl(hit=128)
+    req = request("d", list(range(200)))
+    assert impl.get_num_new_matched_tokens(req, 0) == 128
+    impl.update_state_after_alloc(req, 0)
+    assert "d" not in impl._load_specs
+
+
+def test_chunked_prefill_saves_chunk_aligned_then_the_tail():
+    impl, _ = make_impl(hit=0, save_unfull_chunk=True)
+    req = request("e", list(range(150)))
+    _, meta = schedule_new(impl, req, 0, list(range(1, 11)), 100)  # first 100 tokens
+    assert meta.requests[0].save == adapter.SaveSpec(skip=0, end=64)
+    cached = SimpleNamespace(
+        req_ids=["e"], new_block_ids=[None], num_computed_tokens=[100], resumed_req_ids=set()
+    )
+    out = sched_out(cached=cached)
+    out.num_scheduled_tokens = {"e": 50}
+    meta = impl.build_connector_meta(out)
+    assert meta.requests[0].save == adapter.SaveSpec(skip=64, end=150)  # complete prompt
+
+
+def test_decode_saved_only_with_save_decode_cache():
+    for flag, expected in ((False, None), (True, adapter.SaveSpec(skip=128, end=192))):
+        impl, _ = make_impl(hit=0, save_decode_cache=flag)
+        req = request("f", list(range(128)))
+        schedule_new(impl, req, 0, list(range(1, 9)), 128)
+        req.all_token_ids = list(range(200))
+        cached = SimpleNamespace(
+            req_ids=["f"],
+            new_block_ids=[([9, 10, 11, 12],)],
+            num_computed_tokens=[199],
+            resumed_req_ids=set(),
+        )
+        out = sched_out(cached=cached)
+        out.num_scheduled_tokens = {"f": 1}
+        meta = impl.build_connector_meta(out)
+        got = meta.requests[0].save if meta.requests else None
+        assert got == expected
+
+
+def test_finished_requests_are_forgotten():
+    impl, _ = make_impl(hit=0)
+    req = request("g", list(range(100)))
+    schedule_new(impl, req, 0, list(range(1, 8)), 100)
+    assert impl.request_finished(req, [1, 2]) == (False, None)
+    assert "g" not in impl._trackers and impl.get_kv_events() == []
+
+
+def test_slot_mapping_and_mask():
+    impl, _ = make_impl(hit=0)
+    req = adapter.ReqMeta("x", list(range(40)), block_ids=[7, 3, 9])
+    slots = impl._slot_mapping(req, 40)
+    assert slots[:3].tolist() == [112, 113, 114]
+    assert slots[16].item() == 48 and slots[39].item() == 9 * 16 + 7
+    assert impl._slot_mapping(req, 50)[48:].tolist() == [-1, -1]
+    mask = impl._mask(200, 130)
+    assert not mask[:128].any() and mask[128:].all()
+
+
+def test_load_shortfall_reports_blocks():
+    impl, _ = make_impl(hit=0)
+    req = adapter.ReqMeta(
+        "y",
+        list(range(256)),
+        block_ids=list(range(10, 26)),
+        load=adapter.LoadSpec(vllm_cached=32, lmcache_hit=256, load_end=255),
+    )
+    loaded = torch.zeros(256, dtype=torch.bool)
+    loaded[:128] = True  # chunks 0-1 loaded, 2-3 missing
+    impl._record_load(req, loaded, 256)
+    assert impl.get_block_ids_with_load_errors() == set(range(18, 26))
+    assert impl.get_block_ids_with_load_errors() == set()
+
+
+@pytest.mark.parametrize("hit", [0, 100])
+def test_kv_producer_never_loads(hit):
+    impl, _ = make_impl(hit=hit)
+    impl.kv_role = "kv_producer"
+    assert impl.get_num_new_matched_tokens(request("z", list(range(300))), 0) == 0
