@@ -4,7 +4,7 @@
 The README's two commands:
 
 - ``nox -s demo``: real vLLM on the CPU, a tiny model built locally, lmcache's CPU tier.
-- ``nox -s lint core``: the test command CI runs (``.ci/run``).
+- ``nox -s lint core vllm``: the test command CI runs (``.ci/run``).
 
 Other sessions: ``gpu`` (CUDA tests, skipped with a reason without a GPU) and ``bench``.
 Every session installs what it needs itself; engine venvs use Python 3.11 because the engine's
@@ -21,7 +21,7 @@ import nox
 nox.needs_version = ">=2024.3.2"
 # pip (not uv): this machine's local torch files are found through pip's find-links only.
 nox.options.default_venv_backend = "virtualenv"
-nox.options.sessions = ["lint", "core"]
+nox.options.sessions = ["lint", "core", "vllm"]
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"
@@ -61,8 +61,8 @@ def lint(session: nox.Session) -> None:
     """ruff over every package, then mypy --strict over lmcache-core."""
     session.install("ruff>=0.6", "mypy>=1.11", "types-PyYAML", CORE_TORCH, *CORE_DEPS, *TEST_DEPS)
     session.install("--no-deps", *_editable("lmcache-core"))
-    session.run("ruff", "check", "packages", "benchmarks", "noxfile.py")
-    session.run("ruff", "format", "--check", "packages", "benchmarks", "noxfile.py")
+    session.run("ruff", "check", "packages", "benchmarks", "tests", "noxfile.py")
+    session.run("ruff", "format", "--check", "packages", "benchmarks", "tests", "noxfile.py")
     session.run("mypy", "--strict", "packages/lmcache-core/src")
 
 
@@ -85,10 +85,12 @@ def core(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 @nox.parametrize("version", [nox.param(v, id=f"vllm-{v}") for v in ENGINE_VERSIONS["vllm"]])
 def vllm(session: nox.Session, version: str) -> None:
-    """lmcache-vllm unit tests and end-to-end tests on real vLLM (CPU build)."""
+    """lmcache-vllm unit tests, end-to-end tests on real vLLM (CPU build) and the demo smoke."""
     _install_vllm(session, version)
     session.env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    session.run("pytest", "packages/lmcache-vllm/tests", "-q", "--timeout=900", *session.posargs)
+    session.run(
+        "pytest", "packages/lmcache-vllm/tests", "tests", "-q", "--timeout=900", *session.posargs
+    )
 
 
 @nox.session(python=PYTHON)

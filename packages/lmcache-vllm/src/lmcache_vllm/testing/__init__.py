@@ -1,0 +1,24 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Test helpers for lmcache-vllm: a tiny random Llama built locally, prompts, and CPU engine settings.
+
+Importing this package never imports vllm (only ``transformers``/``tokenizers``/``torch`` when a model
+is actually built).
+"""
+
+from __future__ import annotations
+
+from lmcache_vllm.testing.tiny_model import (
+    FIRST_WORD_ID,
+    SPECIAL_TOKENS,
+    build_tiny_llama,
+    make_prompt,
+    vllm_engine_kwargs,
+)
+
+__all__ = [
+    "FIRST_WORD_ID",
+    "SPECIAL_TOKENS",
+    "build_tiny_llama",
+    "make_prompt",
+    "vllm_engine_kwargs",
+]
