@@ -59,7 +59,9 @@ def _install_vllm(session: nox.Session, version: str) -> None:
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff over every package, then mypy --strict over lmcache-core."""
-    session.install("ruff>=0.6", "mypy>=1.11", "types-PyYAML", CORE_TORCH, *CORE_DEPS, *TEST_DEPS)
+    session.install(
+        "ruff==0.17.6", "mypy==2.4.1", "types-PyYAML", CORE_TORCH, *CORE_DEPS, *TEST_DEPS
+    )
     session.install("--no-deps", *_editable("lmcache-core"))
     session.run("ruff", "check", "packages", "benchmarks", "tests", "noxfile.py")
     session.run("ruff", "format", "--check", "packages", "benchmarks", "tests", "noxfile.py")
