@@ -36,14 +36,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmcache.cache_engine import LMCacheEngine
 from lmcache.config import LMCacheConfig, load_config
 from lmcache.gpu_connector import CreateGPUConnector, EngineInfo, KVLayoutError, TransferSpec
 from lmcache.metadata import LMCacheMetadata
+from lmcache.metrics import LMCacheMetrics
+from lmcache.tiers import process_cpu_tier
 from lmcache_vllm.lookup import LookupClient, LookupServer
 from lmcache_vllm.utils import calculate_local_rank_and_world_size
 
 if TYPE_CHECKING:
-    from lmcache.cache_engine import LayerwiseRetrieve, LayerwiseStore, LMCacheEngine
+    from lmcache.cache_engine import LayerwiseRetrieve, LayerwiseStore
 
 __all__ = [
     "LMCacheConnectorMetadata",
@@ -155,8 +158,6 @@ def load_lmcache_config(vllm_config: Any) -> LMCacheConfig:
     return load_config(overrides=overrides)
 
 
-_ENGINES_LOCK = threading.Lock()
-_SHARED_ENGINES: dict[tuple[Any, ...], LMCacheEngine] = {}
 _LIVE: weakref.WeakSet[LMCacheEngine] = weakref.WeakSet()
 
 
@@ -165,40 +166,15 @@ def live_engines() -> list[LMCacheEngine]:
     return list(_LIVE)
 
 
-def _make_engine(
-    config: LMCacheConfig, metadata: LMCacheMetadata, connector: Any
-) -> tuple[LMCacheEngine, bool]:
-    """An engine whose CPU tier outlives this vLLM instance (a fresh ``LLM`` in the same
-    process sees what an earlier one stored).
-
-    Returns:
-        ``(engine, closable)``: ``closable`` is False when the engine itself is shared.
-    """
-    from lmcache import cache_engine, tiers
-
-    process_tier = getattr(tiers, "process_cpu_tier", None)
-    if process_tier is not None:
-        from lmcache.metrics import LMCacheMetrics
-
-        metrics = LMCacheMetrics()
-        engine = cache_engine.LMCacheEngine(
-            config, metadata, connector, metrics=metrics, tier=process_tier(config, metrics)
-        )
-        _LIVE.add(engine)
-        return engine, True
-    else:
-        # Core without a process-wide tier: share the engine itself across vLLM instances of
-        # this process that have the same geometry and config.
-        key = (metadata, config)
-        with _ENGINES_LOCK:
-            engine = _SHARED_ENGINES.get(key)
-            if engine is None:
-                engine = cache_engine.LMCacheEngine(config, metadata, connector)
-                _SHARED_ENGINES[key] = engine
-            else:
-                engine.set_gpu_connector(connector)
+def _make_engine(config: LMCacheConfig, metadata: LMCacheMetadata, connector: Any) -> LMCacheEngine:
+    """An engine on the process-wide CPU tier, which outlives this vLLM instance (a fresh
+    ``LLM`` in the same process sees what an earlier one stored)."""
+    metrics = LMCacheMetrics()
+    engine = LMCacheEngine(
+        config, metadata, connector, metrics=metrics, tier=process_cpu_tier(config, metrics)
+    )
     _LIVE.add(engine)
-    return engine, False
+    return engine
 
 
 def _layer_index(name: str, fallback: int) -> int:
@@ -306,7 +282,6 @@ class LMCacheConnectorV1Impl:
         self._requests: dict[str, Any] = {}
         # worker side
         self.lmcache_engine: LMCacheEngine | None = None
-        self._engine_closable = False
         self._lookup_server: LookupServer | None = None
         self._layer_ids: dict[str, int] = {}
         self._load_errors: set[int] = set()
@@ -563,7 +538,7 @@ class LMCacheConnectorV1Impl:
             name="vllm", device=device, kv_caches=caches, extra={"block_size": self.block_size}
         )
         connector = CreateGPUConnector(self.config, metadata, engine_info, hints)
-        self.lmcache_engine, self._engine_closable = _make_engine(self.config, metadata, connector)
+        self.lmcache_engine = _make_engine(self.config, metadata, connector)
         engine = self.lmcache_engine
         self._lookup_server = LookupServer(
             self.engine_id,
@@ -817,6 +792,6 @@ class LMCacheConnectorV1Impl:
         for _, storer in self._storers:
             storer.abort()
         self._retrievers, self._storers = [], []
-        if self.lmcache_engine is not None and self._engine_closable:
+        if self.lmcache_engine is not None:
             self.lmcache_engine.close()  # the process-wide tier keeps the chunks
         self.lmcache_engine = None
