@@ -21,8 +21,9 @@ def _to_cuda(engine: EngineInfo, permute_back: bool = False) -> EngineInfo:
     phys = engine.extra["phys"].cuda()
     layers = engine.kv_caches
     views = [phys[i].permute(0, 2, 1, 3) if permute_back else phys[i] for i in range(len(layers))]
-    return EngineInfo(name="vllm", device="cuda", kv_caches=views,
-                      extra={**engine.extra, "phys": phys})
+    return EngineInfo(
+        name="vllm", device="cuda", kv_caches=views, extra={**engine.extra, "phys": phys}
+    )
 
 
 class _Cuda:
@@ -52,13 +53,24 @@ def test_transfer_on_a_side_stream():
     from lmcache.gpu_connector import ChunkTransfer, TransferSpec
     from lmcache.metadata import LMCacheMetadata
 
-    md = LMCacheMetadata(model_name="m", world_size=1, worker_id=0, local_worker_id=0,
-                         local_world_size=1, kv_dtype=torch.bfloat16, num_layers=2,
-                         num_kv_heads=2, head_size_k=64, head_size_v=64, chunk_size=16)
+    md = LMCacheMetadata(
+        model_name="m",
+        world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        local_world_size=1,
+        kv_dtype=torch.bfloat16,
+        num_layers=2,
+        num_kv_heads=2,
+        head_size_k=64,
+        head_size_v=64,
+        chunk_size=16,
+    )
     phys = torch.randn(2, 8, 16, 2, 128, device="cuda").to(torch.bfloat16)
     views = [phys[i].permute(0, 2, 1, 3) for i in range(2)]
-    conn = VLLMPagedConnector(LMCacheConfig(chunk_size=16), md,
-                              EngineInfo(name="vllm", device="cuda", kv_caches=views))
+    conn = VLLMPagedConnector(
+        LMCacheConfig(chunk_size=16), md, EngineInfo(name="vllm", device="cuda", kv_caches=views)
+    )
     slots = torch.arange(16, 48, device="cuda")
     stream = torch.cuda.Stream()
     bufs = [torch.empty(2, 16, 256, dtype=torch.bfloat16).pin_memory() for _ in range(2)]
@@ -75,3 +87,72 @@ def test_transfer_on_a_side_stream():
     y = phys.reshape(2, 128, 2, 128)[:, 16:48]
     back = torch.cat((y[..., :64].reshape(2, 32, 128), y[..., 64:].reshape(2, 32, 128)), -1)
     assert torch.equal(back.cpu(), got)
+
+
+@pytest.mark.parametrize("slots_on", ["cuda", "cpu"])
+@pytest.mark.parametrize("tokens", [256, 1000])
+def test_fused_pipelined_matches_per_layer_llama_like(slots_on, tokens, monkeypatch):
+    """Llama-like heads on FlashAttention's LBNHC, pinned pool chunks, pipelined in 1 MiB
+    pieces (chunks cut by layers) against the per-layer path, NaN payloads included."""
+    from lmcache.config import LMCacheConfig
+    from lmcache.gpu_connector import ChunkTransfer, TransferSpec
+    from lmcache.memory.pinned_pool import HostMemoryPool
+    from lmcache.metadata import LMCacheMetadata
+
+    L, H, D, P, CS, NB = 4, 8, 128, 16, 256, 200
+    md = LMCacheMetadata(
+        model_name="m",
+        world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        local_world_size=1,
+        kv_dtype=torch.bfloat16,
+        num_layers=L,
+        num_kv_heads=H,
+        head_size_k=D,
+        head_size_v=D,
+        chunk_size=CS,
+    )
+
+    def engine(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        phys = torch.randint(-32768, 32767, (L, NB, P, H, 2 * D), device="cuda", generator=g)
+        phys = phys.to(torch.int16).view(torch.bfloat16)  # every bit pattern, NaNs too
+        return phys, [phys[i].permute(0, 2, 1, 3) for i in range(L)]
+
+    def conn(views, fused=True):
+        c = VLLMPagedConnector(
+            LMCacheConfig(chunk_size=CS), md, EngineInfo("vllm", "cuda", views, {"block_size": P})
+        )
+        assert c._fused is not None
+        if not fused:
+            c._fused = None
+        return c
+
+    monkeypatch.setattr(VLLMPagedConnector, "pipeline_bytes", 1 << 20)
+    pages = torch.randperm(NB - 1)[: -(-tokens // P)] + 1
+    slots = (pages[:, None] * P + torch.arange(P)).reshape(-1)[:tokens].to(slots_on)
+    ranges = [(s, min(s + CS, tokens)) for s in range(0, tokens, CS)]
+    pool = HostMemoryPool(256 << 20)
+    _, src = engine(1)
+    fast, ref = conn(src), conn(src, fused=False)
+    leases = [pool.allocate(fast.chunk_shape(e - s), torch.bfloat16) for s, e in ranges]
+    refs = [torch.empty(fast.chunk_shape(e - s), dtype=torch.bfloat16) for s, e in ranges]
+    assert fast._plan(range(L), [ChunkTransfer(s, e, x.tensor) for (s, e), x in zip(
+        ranges, leases, strict=True)], 0).pieces > 1  # fmt: skip
+    chunks = [ChunkTransfer(s, e, x.tensor) for (s, e), x in zip(ranges, leases, strict=True)]
+    fast.from_gpu(chunks, TransferSpec(slots))
+    ref.from_gpu([ChunkTransfer(s, e, x) for (s, e), x in zip(ranges, refs, strict=True)],
+                 TransferSpec(slots))  # fmt: skip
+    for x, y in zip(leases, refs, strict=True):
+        assert torch.equal(x.tensor.view(torch.int16), y.view(torch.int16))
+    skip = CS + 7 if tokens > CS else 5
+    phys_a, dst_a = engine(2)
+    phys_b, dst_b = engine(2)
+    stream = torch.cuda.Stream()
+    conn(dst_a).to_gpu(chunks, TransferSpec(slots, skip_tokens=skip, stream=stream))
+    conn(dst_b, fused=False).to_gpu(chunks, TransferSpec(slots, skip_tokens=skip))
+    torch.cuda.synchronize()
+    assert torch.equal(phys_a.view(torch.int16), phys_b.view(torch.int16))
+    for x in leases:
+        x.release()

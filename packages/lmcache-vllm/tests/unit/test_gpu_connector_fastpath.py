@@ -1,0 +1,289 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fused all-layer path of ``VLLMPagedConnector`` against its per-layer path, bit for bit.
+
+The fused path (one strided view over every layer, chunk-major staging, merged host copies) is
+taken whenever the layers are views of one buffer with a uniform step; the per-layer path is the
+reference. Runs on CPU tensors, and on CUDA tensors too when a GPU is present.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from lmcache.config import LMCacheConfig
+from lmcache.gpu_connector import ChunkTransfer, EngineInfo, TransferSpec
+from lmcache.memory.pinned_pool import ALIGNMENT, HostMemoryPool
+from lmcache.metadata import LMCacheMetadata
+from lmcache_vllm.gpu_connector import VLLMPagedConnector
+
+BLOCK, NUM_BLOCKS, LAYERS, CHUNK = 4, 40, 3, 8
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _md(kind: str) -> LMCacheMetadata:
+    common = dict(
+        model_name="fast",
+        world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        local_world_size=1,
+        num_layers=LAYERS,
+        chunk_size=CHUNK,
+    )
+    if kind == "mla":
+        return LMCacheMetadata(
+            kv_dtype=torch.bfloat16, num_kv_heads=1, head_size_k=24, head_size_v=0,
+            use_mla=True, **common,
+        )  # fmt: skip
+    hv = 4 if kind == "uneven" else 8
+    return LMCacheMetadata(
+        kv_dtype=torch.bfloat16, num_kv_heads=2, head_size_k=8, head_size_v=hv, **common
+    )
+
+
+def _caches(kind: str, md: LMCacheMetadata, device: str, seed: int) -> list[torch.Tensor]:
+    """Per-layer views as vLLM hands them (``kind`` picks physical order / format)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "mla":
+        phys = torch.randn(LAYERS, NUM_BLOCKS, BLOCK, md.head_size_k, generator=g)
+        phys = phys.to(md.kv_dtype).to(device)
+        return [phys[i] for i in range(LAYERS)]
+    c = md.head_size_k + md.head_size_v
+    if kind == "lbhnc":
+        phys = torch.randn(LAYERS, NUM_BLOCKS, md.num_kv_heads, BLOCK, c, generator=g)
+        phys = phys.to(md.kv_dtype).to(device)
+        return [phys[i] for i in range(LAYERS)]
+    phys = torch.randn(LAYERS, NUM_BLOCKS, BLOCK, md.num_kv_heads, c, generator=g)
+    phys = phys.to(md.kv_dtype).to(device)  # lbnhc / uneven: FlashAttention order
+    views = [phys[i].permute(0, 2, 1, 3) for i in range(LAYERS)]
+    if kind == "separate":  # one allocation per layer: the per-layer path
+        views = [v.clone() for v in views]
+    return views
+
+
+def _conn(kind: str, md: LMCacheMetadata, caches: list[torch.Tensor], fused: bool):
+    fmt = "mla" if kind == "mla" else "kv_concat"
+    dev = caches[0].device.type
+    conn = VLLMPagedConnector(
+        LMCacheConfig(chunk_size=CHUNK),
+        md,
+        EngineInfo("vllm", dev, caches, {"block_size": BLOCK}),
+        {"kv_format": fmt},
+    )
+    if not fused:
+        conn._fused = None  # force the per-layer reference path
+    return conn
+
+
+@contextlib.contextmanager
+def _buffers(conn, ranges, layout: str):
+    """Chunk buffers: ``adjacent`` (back to back in one slab), ``scattered`` (gaps between),
+    or ``strided`` (non-contiguous host tensors)."""
+    if layout == "strided":
+        yield [
+            torch.zeros(conn.kv_width, e - s, conn.num_layers, dtype=conn.dtype).permute(2, 1, 0)
+            for s, e in ranges
+        ]
+        return
+    pool = HostMemoryPool(64 << 20, pin=False, slab_bytes=1 << 20)
+    with contextlib.ExitStack() as stack:
+        bufs = []
+        for s, e in ranges:
+            lease = pool.allocate(conn.chunk_shape(e - s), conn.dtype)
+            stack.enter_context(lease)
+            if layout == "scattered":
+                stack.enter_context(pool.allocate((1000,), torch.uint8))
+            lease.tensor.fill_(0)
+            bufs.append(lease.tensor)
+        yield bufs
+
+
+RANGE_SETS = {
+    "contiguous": [(0, 8), (8, 16), (16, 24), (24, 29)],
+    "gapped": [(0, 8), (16, 24), (24, 29), (32, 40)],
+    "single": [(8, 13)],
+}
+
+
+def _slots(n: int, seed: int, device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm((NUM_BLOCKS - 1) * BLOCK, generator=g)[:n] + BLOCK
+    return slots.to(device)
+
+
+def _eq(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.cpu().view(torch.int16), b.cpu().view(torch.int16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["adjacent", "scattered", "strided"])
+@pytest.mark.parametrize("ranges", list(RANGE_SETS), ids=list(RANGE_SETS))
+@pytest.mark.parametrize("kind", ["lbnhc", "lbhnc", "uneven", "mla", "separate"])
+@pytest.mark.parametrize("slots_on", ["host", "device"])
+@pytest.mark.parametrize("pieces", ["one", "per-layer"])
+def test_fused_matches_per_layer(kind, ranges, layout, device, slots_on, pieces):
+    md = _md(kind)
+    rng = RANGE_SETS[ranges]
+    n = max(e for _, e in rng)
+    src = _caches(kind, md, device, 1)
+    fast = _conn(kind, md, src, fused=True)
+    if pieces == "per-layer":  # pipelined: a side-stream host copy per chunk layer (CUDA)
+        fast.pipeline_bytes = 1
+    ref = _conn(kind, md, src, fused=False)
+    assert (fast._fused is None) == (kind == "separate")
+    slots = _slots(n, 2, device if slots_on == "device" else "cpu")
+    with _buffers(fast, rng, layout) as a, _buffers(fast, rng, layout) as b:
+        fast.from_gpu([ChunkTransfer(s, e, t) for (s, e), t in zip(rng, a, strict=True)],
+                      TransferSpec(slots))  # fmt: skip
+        ref.from_gpu([ChunkTransfer(s, e, t) for (s, e), t in zip(rng, b, strict=True)],
+                     TransferSpec(slots))  # fmt: skip
+        for x, y in zip(a, b, strict=True):
+            assert _eq(x, y)
+        if layout == "adjacent" and ranges == "contiguous":
+            plan = fast._plan(range(LAYERS), [ChunkTransfer(s, e, t) for (s, e), t in zip(
+                rng, a, strict=True)], 0, 0)  # fmt: skip
+            assert len(plan.ops) == 2  # three full chunks in one op, then the tail
+            if fast.chunk_nbytes(CHUNK) % ALIGNMENT == 0:  # no padding: back to back
+                assert len(plan.runs) == 1
+        # load into two identical engines, skipping into the second chunk
+        for skip in (0, rng[0][0] + 3, rng[1][0] + 1 if len(rng) > 1 else rng[0][1]):
+            dst_fast = _caches(kind, md, device, 3)
+            dst_ref = _caches(kind, md, device, 3)
+            cf, cr = _conn(kind, md, dst_fast, True), _conn(kind, md, dst_ref, False)
+            cf.pipeline_bytes = fast.pipeline_bytes
+            lslots = _slots(n, 4, device if slots_on == "device" else "cpu")
+            lslots[:skip] = -1  # held by the engine: never read
+            chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, a, strict=True)]
+            cf.to_gpu(chunks, TransferSpec(lslots, skip_tokens=skip))
+            cr.to_gpu(chunks, TransferSpec(lslots, skip_tokens=skip))
+            cf.synchronize()
+            cr.synchronize()
+            for x, y in zip(dst_fast, dst_ref, strict=True):
+                assert _eq(x, y)
+            untouched = _caches(kind, md, device, 3)
+            if skip >= n:
+                for x, y in zip(dst_fast, untouched, strict=True):
+                    assert _eq(x, y)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["lbnhc", "uneven", "mla"])
+def test_layerwise_fused_matches_batched(kind, device):
+    md = _md(kind)
+    rng = RANGE_SETS["contiguous"]
+    src = _caches(kind, md, device, 5)
+    conn = _conn(kind, md, src, fused=True)
+    slots = _slots(29, 6, device)
+    with _buffers(conn, rng, "adjacent") as a, _buffers(conn, rng, "adjacent") as b:
+        ca = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, a, strict=True)]
+        cb = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, b, strict=True)]
+        conn.from_gpu(ca, TransferSpec(slots))
+        for layer in range(LAYERS):
+            conn.from_gpu_layer(layer, cb, TransferSpec(slots))
+        for x, y in zip(a, b, strict=True):
+            assert _eq(x, y)
+        d1, d2 = _caches(kind, md, device, 7), _caches(kind, md, device, 7)
+        c1, c2 = _conn(kind, md, d1, True), _conn(kind, md, d2, True)
+        lslots = _slots(29, 8, device)
+        c1.to_gpu(ca, TransferSpec(lslots, skip_tokens=5))
+        for layer in range(LAYERS):
+            c2.to_gpu_layer(layer, cb, TransferSpec(lslots, skip_tokens=5))
+        c1.synchronize()
+        c2.synchronize()
+        for x, y in zip(d1, d2, strict=True):
+            assert _eq(x, y)
+
+
+def test_aliased_layers_use_the_per_layer_path():
+    md = _md("lbnhc")
+    caches = _caches("lbnhc", md, "cpu", 9)
+    caches[2] = caches[1]  # two layers on the same memory (a shared-KV model)
+    assert _conn("lbnhc", md, caches, True)._fused is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slots_on", ["host", "device"])
+@pytest.mark.parametrize("bad", [-1, NUM_BLOCKS * BLOCK])
+def test_bad_slot_rejected_and_engine_untouched(device, slots_on, bad):
+    md = _md("lbnhc")
+    caches = _caches("lbnhc", md, device, 10)
+    conn = _conn("lbnhc", md, caches, True)
+    before = [c.clone() for c in caches]
+    rng = RANGE_SETS["contiguous"]
+    slots = _slots(29, 11, "cpu")
+    slots[20] = bad
+    slots = slots.to(device if slots_on == "device" else "cpu")
+    with _buffers(conn, rng, "adjacent") as a:
+        chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, a, strict=True)]
+        with pytest.raises(ValueError, match="slot"):
+            conn.from_gpu(chunks, TransferSpec(slots))
+        with pytest.raises(ValueError, match="slot"):
+            conn.to_gpu(chunks, TransferSpec(slots, skip_tokens=3))
+        conn.synchronize()
+        for x, y in zip(caches, before, strict=True):
+            assert _eq(x, y)
+        conn.to_gpu(chunks, TransferSpec(slots, skip_tokens=21))  # bad slot is skipped: fine
+        conn.synchronize()
+
+
+def test_plan_pieces_split_ops_and_runs():
+    md = _md("lbnhc")
+    conn = _conn("lbnhc", md, _caches("lbnhc", md, "cpu", 12), True)
+    rng = RANGE_SETS["contiguous"]
+    cb = conn.chunk_nbytes(CHUNK)
+    with _buffers(conn, rng, "adjacent") as bufs:
+        chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, bufs, strict=True)]
+        one = conn._plan(range(LAYERS), chunks, 0, 0)
+        assert one.pieces == 1 and len(one.runs) == 1 and len(one.ops) == 2
+        per = conn._plan(range(LAYERS), chunks, 0, cb)
+        assert per.pieces == 4 and len(per.runs) == 4 and len(per.ops) == 4
+        assert [r.piece for r in per.runs] == [0, 1, 2, 3] == [o.piece for o in per.ops]
+        two = conn._plan(range(LAYERS), chunks, 0, 2 * cb)
+        assert two.pieces == 2 and [o.piece for o in two.ops] == [0, 1, 1]
+        assert [(o.g, o.n) for o in two.ops] == [(2, 8), (1, 8), (1, 5)]
+        # a chunk bigger than a piece is cut by layers: one op and one host copy per layer
+        cut = conn._plan(range(LAYERS), chunks[:1], 0, cb // LAYERS)
+        assert cut.pieces == LAYERS
+        assert [(o.l0, o.l1) for o in cut.ops] == [(i, i + 1) for i in range(LAYERS)]
+        assert [r.nbytes for r in cut.runs] == [cb // LAYERS] * LAYERS
+
+
+@pytest.mark.parametrize("kind", ["lbnhc", "lbhnc", "uneven", "mla"])
+@pytest.mark.parametrize("piece", ["whole", "per-layer", "two-chunks"])
+def test_pieces_match_one_piece(kind, piece):
+    """Every way of cutting a call into pieces moves the same bytes (CPU runs them in order)."""
+    md = _md(kind)
+    rng = RANGE_SETS["gapped"]
+    src = _caches(kind, md, "cpu", 13)
+    conn = _conn(kind, md, src, True)
+    cb = conn.chunk_nbytes(CHUNK)
+    pb = {"whole": 0, "per-layer": cb // LAYERS, "two-chunks": 2 * cb}[piece]
+    slots = _slots(40, 14, "cpu")
+    with _buffers(conn, rng, "adjacent") as a, _buffers(conn, rng, "adjacent") as b:
+        ca = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, a, strict=True)]
+        cb_ = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, b, strict=True)]
+        conn.from_gpu(ca, TransferSpec(slots))
+        plan = conn._plan(range(LAYERS), cb_, 0, pb)
+        staging = torch.empty(plan.total * plan.row_bytes, dtype=torch.uint8)
+        idx, _ = conn._fused_indices(plan, TransferSpec(slots))
+        for p in range(plan.pieces):
+            conn._gather(plan, staging, range(LAYERS), idx, p)
+            conn._copy_runs(plan, staging, to_host=True, piece=p)
+        for x, y in zip(a, b, strict=True):
+            assert _eq(x, y)
+        dst1, dst2 = _caches(kind, md, "cpu", 15), _caches(kind, md, "cpu", 15)
+        c1, c2 = _conn(kind, md, dst1, True), _conn(kind, md, dst2, True)
+        lslots = _slots(40, 16, "cpu")
+        spec = TransferSpec(lslots, skip_tokens=3)
+        c1.to_gpu(ca, spec)
+        plan = c2._plan(range(LAYERS), ca, 3, pb)
+        staging = torch.empty(plan.total * plan.row_bytes, dtype=torch.uint8)
+        idx, _ = c2._fused_indices(plan, spec)
+        for p in range(plan.pieces):
+            c2._copy_runs(plan, staging, to_host=False, piece=p)
+            c2._scatter(plan, staging, range(LAYERS), idx, p)
+        for x, y in zip(dst1, dst2, strict=True):
+            assert _eq(x, y)
