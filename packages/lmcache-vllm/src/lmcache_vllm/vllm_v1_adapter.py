@@ -31,7 +31,6 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +41,15 @@ from lmcache.gpu_connector import CreateGPUConnector, EngineInfo, KVLayoutError,
 from lmcache.metadata import LMCacheMetadata
 from lmcache.metrics import LMCacheMetrics
 from lmcache.tiers import process_cpu_tier
+from lmcache_vllm.connector_metadata import (
+    LMCacheConnectorMetadata,
+    LoadSpec,
+    ReqMeta,
+    SaveSpec,
+    Tracker,
+    WorkerStats,
+)
+from lmcache_vllm.cpu_layout_probe import probe_cpu_kv_format
 from lmcache_vllm.lookup import LookupClient, LookupServer
 from lmcache_vllm.utils import calculate_local_rank_and_world_size
 
@@ -60,91 +68,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-try:  # the metadata must subclass vLLM's marker class; vLLM is present wherever this runs
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorMetadata as _VllmMetadata,
-    )
-except ImportError:  # pragma: no cover - unit tests of the pure parts without vLLM
-
-    class _VllmMetadata:  # type: ignore[no-redef]
-        pass
-
-
-# ------------------------------------------------------------------------ connector metadata
-
-
-@dataclass
-class LoadSpec:
-    """What to load for a request this step.
-
-    Attributes:
-        vllm_cached: Tokens vLLM's own prefix cache holds (never written; block aligned).
-        lmcache_hit: Leading tokens lmcache reported at lookup (keys are built over these).
-        load_end: Load tokens ``[vllm_cached, load_end)``; ``load_end <= lmcache_hit``.
-    """
-
-    vllm_cached: int
-    lmcache_hit: int
-    load_end: int = 0
-
-
-@dataclass
-class SaveSpec:
-    """Save tokens ``[skip, end)`` of the request (``skip`` is chunk aligned)."""
-
-    skip: int
-    end: int
-
-
-@dataclass
-class ReqMeta:
-    """One request's work for this step (plain data: pickled to the workers)."""
-
-    req_id: str
-    token_ids: list[int]
-    block_ids: list[int]
-    salt: str = ""
-    load: LoadSpec | None = None
-    save: SaveSpec | None = None
-
-
-@dataclass
-class LMCacheConnectorMetadata(_VllmMetadata):
-    """Per-step metadata from the scheduler-side connector to the workers."""
-
-    requests: list[ReqMeta] = field(default_factory=list)
-
-
-@dataclass
-class _Tracker:
-    """Scheduler-side state of a running request."""
-
-    req_id: str
-    prompt_len: int
-    block_ids: list[int]
-    salt: str
-    num_saved: int  # tokens known stored (chunk aligned)
-
-
-@dataclass
-class WorkerStats:
-    """Worker-side counters since the last :meth:`LMCacheConnectorV1Impl.take_stats`."""
-
-    loaded_tokens: int = 0
-    expected_load_tokens: int = 0
-    failed_load_tokens: int = 0
-    stored_tokens: int = 0
-    load_seconds: float = 0.0
-    save_seconds: float = 0.0
-    loaded_bytes: int = 0
-    stored_bytes: int = 0
-    num_loads: int = 0
-    num_saves: int = 0
-
-    def as_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.__dict__.items()}
-
 
 # ------------------------------------------------------------------------ config / engine
 
@@ -186,64 +109,6 @@ def _layer_index(name: str, fallback: int) -> int:
         return fallback
 
 
-def _probe_cpu_kv_format(vllm_config: Any, layer_names: list[str], cache: torch.Tensor) -> str:
-    """Which block format vLLM's CPU cache-write kernel uses here (see gpu_connector)."""
-    from lmcache_vllm.gpu_connector import VLLMPagedConnector
-
-    try:
-        from vllm import _custom_ops as ops
-    except ImportError:
-        return "cpu_kt_v"
-    ctx = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
-    isa = None
-    for name in layer_names:
-        isa = getattr(ctx.get(name), "isa", None)
-        if isa:
-            break
-    if isa is None or not hasattr(ops, "cpu_attn_reshape_and_cache"):
-        return "cpu_kt_v"
-    _, heads, bs, c = cache.shape
-    hs = c // 2
-    scratch = torch.zeros((2, heads, bs, c), dtype=cache.dtype)
-    key = torch.randn(bs, heads, hs).to(cache.dtype)
-    value = torch.randn(bs, heads, hs).to(cache.dtype)
-    view = scratch.view(2, heads, 2 * bs, hs)
-    kc, vc = view.chunk(2, dim=2)
-    slots = torch.arange(bs, 2 * bs, dtype=torch.long)
-    ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa)
-    md = LMCacheMetadata(
-        model_name="probe",
-        world_size=1,
-        worker_id=0,
-        local_worker_id=0,
-        local_world_size=1,
-        kv_dtype=cache.dtype,
-        num_layers=1,
-        num_kv_heads=heads,
-        head_size_k=hs,
-        head_size_v=hs,
-        chunk_size=bs,
-    )
-    want = torch.cat((key.reshape(bs, -1), value.reshape(bs, -1)), dim=1)
-    blocks = torch.ones(bs, dtype=torch.long)
-    offs = torch.arange(bs)
-    for fmt in ("cpu_kt_v", "kv_concat"):
-        conn = VLLMPagedConnector(
-            LMCacheConfig(chunk_size=bs),
-            md,
-            EngineInfo(name="vllm", device="cpu", kv_caches=[scratch]),
-            {"kv_format": fmt},
-        )
-        if torch.equal(conn._gather_layer(0, blocks, offs), want):
-            return fmt
-    raise KVLayoutError(
-        f"vLLM's CPU attention (isa={isa!r}) writes KV blocks in a format lmcache does not know "
-        f"(cache {tuple(cache.shape)} {cache.dtype}); neither 'cpu_kt_v' (K transposed then V "
-        "per block and head) nor 'kv_concat' matched. Run without the connector or use a "
-        "block size / dtype that selects the 'vec' kernels."
-    )
-
-
 # ------------------------------------------------------------------------ the implementation
 
 
@@ -278,7 +143,7 @@ class LMCacheConnectorV1Impl:
         # scheduler side
         self._lookup_client: LookupClient | None = None
         self._load_specs: dict[str, LoadSpec] = {}
-        self._trackers: dict[str, _Tracker] = {}
+        self._trackers: dict[str, Tracker] = {}
         self._requests: dict[str, Any] = {}
         # worker side
         self.lmcache_engine: LMCacheEngine | None = None
@@ -368,7 +233,7 @@ class LMCacheConnectorV1Impl:
             return
         spec.load_end = spec.vllm_cached + num_external_tokens
 
-    def _save_spec(self, tracker: _Tracker, computed_end: int, is_new: bool) -> SaveSpec | None:
+    def _save_spec(self, tracker: Tracker, computed_end: int, is_new: bool) -> SaveSpec | None:
         if self.kv_role == "kv_consumer":
             return None
         in_prefill = computed_end <= tracker.prompt_len
@@ -402,7 +267,7 @@ class LMCacheConnectorV1Impl:
             hit_saved = 0
             if load is not None:
                 hit_saved = load.lmcache_hit // self.chunk_size * self.chunk_size
-            tracker = _Tracker(
+            tracker = Tracker(
                 req_id=new.req_id,
                 prompt_len=len(prompt),
                 block_ids=list(new.block_ids[0]) if new.block_ids else [],
@@ -433,7 +298,7 @@ class LMCacheConnectorV1Impl:
     def _add(
         self,
         meta: LMCacheConnectorMetadata,
-        tracker: _Tracker,
+        tracker: Tracker,
         prompt: list[int] | None,
         computed_end: int,
         load: LoadSpec | None,
@@ -533,7 +398,7 @@ class LMCacheConnectorV1Impl:
         if use_mla:
             hints["kv_format"] = "mla"
         elif device == "cpu":
-            hints["kv_format"] = _probe_cpu_kv_format(vc, names, first)
+            hints["kv_format"] = probe_cpu_kv_format(vc, names, first)
         engine_info = EngineInfo(
             name="vllm", device=device, kv_caches=caches, extra={"block_size": self.block_size}
         )

@@ -1,0 +1,100 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Connector metadata: what the scheduler-side connector tells the workers each step.
+
+Plain dataclasses (vLLM pickles :class:`LMCacheConnectorMetadata` to the worker processes), plus
+the scheduler's per-request tracker and the worker's stats counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "LMCacheConnectorMetadata",
+    "LoadSpec",
+    "ReqMeta",
+    "SaveSpec",
+    "Tracker",
+    "WorkerStats",
+]
+
+try:  # the metadata must subclass vLLM's marker class; vLLM is present wherever this runs
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata as _VllmMetadata,
+    )
+except ImportError:  # pragma: no cover - unit tests of the pure parts without vLLM
+
+    class _VllmMetadata:  # type: ignore[no-redef]
+        pass
+
+
+@dataclass
+class LoadSpec:
+    """What to load for a request this step.
+
+    Attributes:
+        vllm_cached: Tokens vLLM's own prefix cache holds (never written; block aligned).
+        lmcache_hit: Leading tokens lmcache reported at lookup (keys are built over these).
+        load_end: Load tokens ``[vllm_cached, load_end)``; ``load_end <= lmcache_hit``.
+    """
+
+    vllm_cached: int
+    lmcache_hit: int
+    load_end: int = 0
+
+
+@dataclass
+class SaveSpec:
+    """Save tokens ``[skip, end)`` of the request (``skip`` is chunk aligned)."""
+
+    skip: int
+    end: int
+
+
+@dataclass
+class ReqMeta:
+    """One request's work for this step (plain data: pickled to the workers)."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    salt: str = ""
+    load: LoadSpec | None = None
+    save: SaveSpec | None = None
+
+
+@dataclass
+class LMCacheConnectorMetadata(_VllmMetadata):
+    """Per-step metadata from the scheduler-side connector to the workers."""
+
+    requests: list[ReqMeta] = field(default_factory=list)
+
+
+@dataclass
+class Tracker:
+    """Scheduler-side state of a running request."""
+
+    req_id: str
+    prompt_len: int
+    block_ids: list[int]
+    salt: str
+    num_saved: int  # tokens known stored (chunk aligned)
+
+
+@dataclass
+class WorkerStats:
+    """Worker-side counters since the last :meth:`LMCacheConnectorV1Impl.take_stats`."""
+
+    loaded_tokens: int = 0
+    expected_load_tokens: int = 0
+    failed_load_tokens: int = 0
+    stored_tokens: int = 0
+    load_seconds: float = 0.0
+    save_seconds: float = 0.0
+    loaded_bytes: int = 0
+    stored_bytes: int = 0
+    num_loads: int = 0
+    num_saves: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.__dict__.items()}
