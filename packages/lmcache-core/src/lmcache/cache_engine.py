@@ -37,12 +37,12 @@ import torch
 from lmcache.gpu_connector.interface import (
     ChunkTransfer,
     GPUConnectorInterface,
-    SupportsLayerwise,
     TransferSpec,
     supports_layerwise,
 )
 from lmcache.keys import chunk_keys, chunk_ranges
-from lmcache.memory import HostMemoryPool, MemoryLease
+from lmcache.layerwise import LayerwiseRetrieve, LayerwiseStore, Pending, release_all
+from lmcache.memory import HostMemoryPool
 from lmcache.metrics import LMCacheMetrics
 from lmcache.tiers import CPUTier, tensor_checksum
 
@@ -66,21 +66,6 @@ class _Plan:
     keys: list[bytes]
     ranges: list[tuple[int, int]]
     first_chunk: int  # first chunk after the masked prefix
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """A chunk being moved: its key, the connector's view of it, and the lease on its buffer."""
-
-    key: bytes
-    chunk: ChunkTransfer
-    lease: MemoryLease
-
-
-def _release_all(pending: Sequence[_Pending]) -> None:
-    for p in pending:
-        if not p.lease.released:
-            p.lease.release()
 
 
 class LMCacheEngine:
@@ -233,9 +218,9 @@ class LMCacheEngine:
             self._tier_error("look up a chunk", exc)
             return False
 
-    def _allocate_store(self, plan: _Plan) -> list[_Pending]:
+    def _allocate_store(self, plan: _Plan) -> list[Pending]:
         """Lease buffers for the chunks a store saves (leading ones only when memory is short)."""
-        pending: list[_Pending] = []
+        pending: list[Pending] = []
         if not self.config.local_cpu:
             return pending
         todo = []
@@ -258,10 +243,10 @@ class LMCacheEngine:
                     "Out of host memory: storing %d of %d chunks.", len(pending), len(todo)
                 )
                 break
-            pending.append(_Pending(plan.keys[i], ChunkTransfer(start, end, lease.tensor), lease))
+            pending.append(Pending(plan.keys[i], ChunkTransfer(start, end, lease.tensor), lease))
         return pending
 
-    def _commit_store(self, pending: Sequence[_Pending], started: float) -> int:
+    def _commit_store(self, pending: Sequence[Pending], started: float) -> int:
         """Checksum the filled buffers and hand them to the tier; returns tokens stored."""
         stored_tokens = stored_bytes = 0
         for p in pending:
@@ -278,9 +263,9 @@ class LMCacheEngine:
         self.metrics.store_seconds.observe(time.perf_counter() - started)
         return stored_tokens
 
-    def _acquire_hits(self, plan: _Plan) -> list[_Pending]:
+    def _acquire_hits(self, plan: _Plan) -> list[Pending]:
         """Leases on the longest run of present chunks after the masked prefix."""
-        pending: list[_Pending] = []
+        pending: list[Pending] = []
         for i in range(plan.first_chunk, len(plan.keys)):
             start, end = plan.ranges[i]
             try:
@@ -299,16 +284,16 @@ class LMCacheEngine:
                 )
                 lease.release()
                 break
-            pending.append(_Pending(plan.keys[i], ChunkTransfer(start, end, lease.tensor), lease))
+            pending.append(Pending(plan.keys[i], ChunkTransfer(start, end, lease.tensor), lease))
         return pending
 
-    def _hit_mask(self, plan: _Plan, pending: Sequence[_Pending]) -> torch.Tensor:
+    def _hit_mask(self, plan: _Plan, pending: Sequence[Pending]) -> torch.Tensor:
         mask = torch.zeros(plan.num_tokens, dtype=torch.bool)
         if pending:
             mask[pending[0].chunk.start : pending[-1].chunk.end] = True
         return mask
 
-    def _count_loaded(self, pending: Sequence[_Pending], started: float) -> None:
+    def _count_loaded(self, pending: Sequence[Pending], started: float) -> None:
         self.metrics.loaded_chunks.inc(len(pending))
         self.metrics.loaded_bytes.inc(sum(p.lease.nbytes for p in pending))
         self.metrics.retrieve_seconds.observe(time.perf_counter() - started)
@@ -366,7 +351,7 @@ class LMCacheEngine:
             connector.from_gpu([p.chunk for p in pending], transfer)
             return self._commit_store(pending, started)
         finally:
-            _release_all(pending)
+            release_all(pending)
 
     def retrieve(
         self,
@@ -407,7 +392,7 @@ class LMCacheEngine:
             finally:
                 connector.synchronize()
         finally:
-            _release_all(pending)
+            release_all(pending)
         self._count_loaded(pending, started)
         return self._hit_mask(plan, pending)
 
@@ -473,155 +458,3 @@ class LMCacheEngine:
             self.tier.clear()
         if self.gpu_connector is not None:
             self.gpu_connector.close()
-
-
-class _LayerwiseOp:
-    """Shared bookkeeping of the layerwise store and retrieve objects."""
-
-    _what = "layerwise operation"
-
-    def __init__(
-        self,
-        engine: LMCacheEngine,
-        connector: GPUConnectorInterface,
-        pending: list[_Pending],
-        transfer: TransferSpec,
-        started: float,
-    ) -> None:
-        assert isinstance(connector, SupportsLayerwise)
-        self._engine = engine
-        self._gpu = connector
-        self._layerwise: SupportsLayerwise = connector
-        self._pending = pending
-        self._transfer = transfer
-        self._started = started
-        self._num_layers = engine.metadata.num_layers
-        self._next_layer = 0
-        self._done = False
-
-    def _check_layer(self, layer: int) -> None:
-        if self._done:
-            raise RuntimeError(f"This {self._what} is finished or aborted; start a new one.")
-        if layer != self._next_layer:
-            raise ValueError(
-                f"{self._what}: layers must go in order 0..{self._num_layers - 1}; expected "
-                f"layer {self._next_layer}, found {layer}."
-            )
-
-    def _check_complete(self) -> None:
-        if self._done:
-            raise RuntimeError(f"This {self._what} is finished or aborted already.")
-        if self._next_layer != self._num_layers:
-            done = self._next_layer
-            self.abort()
-            raise RuntimeError(
-                f"{self._what}.finish() after {done} of {self._num_layers} layers; the transfer "
-                "is incomplete and was aborted. Call it for every layer first."
-            )
-
-    def abort(self) -> None:
-        """Release every buffer without completing (idempotent)."""
-        self._done = True
-        _release_all(self._pending)
-
-
-class LayerwiseStore(_LayerwiseOp):
-    """A store in progress: call :meth:`store_layer` for layers ``0 .. num_layers-1``, then
-    :meth:`finish` (or :meth:`abort`).
-    """
-
-    _what = "LayerwiseStore"
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens this store saves at :meth:`finish`."""
-        return sum(p.chunk.num_tokens for p in self._pending)
-
-    def store_layer(self, layer: int) -> None:
-        """Copy ``layer`` of every chunk from the engine (one ``from_gpu_layer`` call).
-
-        A connector error aborts the store and is raised.
-        """
-        self._check_layer(layer)
-        if self._pending:
-            try:
-                self._layerwise.from_gpu_layer(
-                    layer, [p.chunk for p in self._pending], self._transfer
-                )
-            except BaseException:
-                self.abort()
-                raise
-        self._next_layer += 1
-
-    def finish(self) -> int:
-        """Make the chunks visible to lookups; returns the number of tokens stored."""
-        self._check_complete()
-        self._done = True
-        if not self._pending:
-            return 0
-        try:
-            return self._engine._commit_store(self._pending, self._started)
-        finally:
-            _release_all(self._pending)
-
-
-class LayerwiseRetrieve(_LayerwiseOp):
-    """A retrieve in progress: call :meth:`load_layer` for layers ``0 .. num_layers-1``, then
-    :meth:`finish` (or :meth:`abort`).
-    """
-
-    _what = "LayerwiseRetrieve"
-
-    def __init__(
-        self,
-        engine: LMCacheEngine,
-        connector: GPUConnectorInterface,
-        pending: list[_Pending],
-        transfer: TransferSpec,
-        mask: torch.Tensor,
-        started: float,
-    ) -> None:
-        super().__init__(engine, connector, pending, transfer, started)
-        self._mask = mask
-
-    @property
-    def num_hit_tokens(self) -> int:
-        """Tokens that will be loaded (``True`` entries of the final mask)."""
-        return int(self._mask.sum())
-
-    def load_layer(self, layer: int) -> None:
-        """Copy ``layer`` of every hit chunk into the engine (one ``to_gpu_layer`` call).
-
-        A connector error aborts the retrieve and is raised.
-        """
-        self._check_layer(layer)
-        if self._pending:
-            try:
-                self._layerwise.to_gpu_layer(
-                    layer, [p.chunk for p in self._pending], self._transfer
-                )
-            except BaseException:
-                self.abort()
-                raise
-        self._next_layer += 1
-
-    def abort(self) -> None:
-        """Wait for enqueued copies, then release every buffer (idempotent)."""
-        if self._done:
-            return
-        self._done = True
-        try:
-            if self._pending:
-                self._gpu.synchronize()
-        finally:
-            _release_all(self._pending)
-
-    def finish(self) -> torch.Tensor:
-        """Wait for the copies and release the buffers; returns bool ``[num_tokens]``, ``True``
-        for the loaded tokens.
-        """
-        self._check_complete()
-        self.abort()  # synchronize + release
-        if self._pending:
-            self._engine._count_loaded(self._pending, self._started)
-        return self._mask

@@ -1,0 +1,198 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Layerwise store and retrieve: one connector call per layer, to overlap with the forward pass.
+
+:meth:`lmcache.cache_engine.LMCacheEngine.store_layerwise` and
+:meth:`~lmcache.cache_engine.LMCacheEngine.retrieve_layerwise` plan the request (keys, leases)
+and return one of these plain objects; the caller drives it layer by layer, in order, then calls
+``finish()`` (or ``abort()``). Chunks of a layerwise store become visible to lookups at
+``finish()``; a layerwise retrieve keeps its chunk leases until the copies are done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from lmcache.gpu_connector.interface import (
+    ChunkTransfer,
+    GPUConnectorInterface,
+    SupportsLayerwise,
+    TransferSpec,
+)
+from lmcache.memory import MemoryLease
+
+if TYPE_CHECKING:
+    from lmcache.cache_engine import LMCacheEngine
+
+__all__ = ["LayerwiseRetrieve", "LayerwiseStore", "Pending", "release_all"]
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A chunk being moved: its key, the connector's view of it, and the lease on its buffer."""
+
+    key: bytes
+    chunk: ChunkTransfer
+    lease: MemoryLease
+
+
+def release_all(pending: Sequence[Pending]) -> None:
+    """Release every lease not released yet."""
+    for p in pending:
+        if not p.lease.released:
+            p.lease.release()
+
+
+class _LayerwiseOp:
+    """Shared bookkeeping of the layerwise store and retrieve objects."""
+
+    _what = "layerwise operation"
+
+    def __init__(
+        self,
+        engine: LMCacheEngine,
+        connector: GPUConnectorInterface,
+        pending: list[Pending],
+        transfer: TransferSpec,
+        started: float,
+    ) -> None:
+        assert isinstance(connector, SupportsLayerwise)
+        self._engine = engine
+        self._gpu = connector
+        self._layerwise: SupportsLayerwise = connector
+        self._pending = pending
+        self._transfer = transfer
+        self._started = started
+        self._num_layers = engine.metadata.num_layers
+        self._next_layer = 0
+        self._done = False
+
+    def _check_layer(self, layer: int) -> None:
+        if self._done:
+            raise RuntimeError(f"This {self._what} is finished or aborted; start a new one.")
+        if layer != self._next_layer:
+            raise ValueError(
+                f"{self._what}: layers must go in order 0..{self._num_layers - 1}; expected "
+                f"layer {self._next_layer}, found {layer}."
+            )
+
+    def _check_complete(self) -> None:
+        if self._done:
+            raise RuntimeError(f"This {self._what} is finished or aborted already.")
+        if self._next_layer != self._num_layers:
+            done = self._next_layer
+            self.abort()
+            raise RuntimeError(
+                f"{self._what}.finish() after {done} of {self._num_layers} layers; the transfer "
+                "is incomplete and was aborted. Call it for every layer first."
+            )
+
+    def abort(self) -> None:
+        """Release every buffer without completing (idempotent)."""
+        self._done = True
+        release_all(self._pending)
+
+
+class LayerwiseStore(_LayerwiseOp):
+    """A store in progress: call :meth:`store_layer` for layers ``0 .. num_layers-1``, then
+    :meth:`finish` (or :meth:`abort`).
+    """
+
+    _what = "LayerwiseStore"
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this store saves at :meth:`finish`."""
+        return sum(p.chunk.num_tokens for p in self._pending)
+
+    def store_layer(self, layer: int) -> None:
+        """Copy ``layer`` of every chunk from the engine (one ``from_gpu_layer`` call).
+
+        A connector error aborts the store and is raised.
+        """
+        self._check_layer(layer)
+        if self._pending:
+            try:
+                self._layerwise.from_gpu_layer(
+                    layer, [p.chunk for p in self._pending], self._transfer
+                )
+            except BaseException:
+                self.abort()
+                raise
+        self._next_layer += 1
+
+    def finish(self) -> int:
+        """Make the chunks visible to lookups; returns the number of tokens stored."""
+        self._check_complete()
+        self._done = True
+        if not self._pending:
+            return 0
+        try:
+            return self._engine._commit_store(self._pending, self._started)
+        finally:
+            release_all(self._pending)
+
+
+class LayerwiseRetrieve(_LayerwiseOp):
+    """A retrieve in progress: call :meth:`load_layer` for layers ``0 .. num_layers-1``, then
+    :meth:`finish` (or :meth:`abort`).
+    """
+
+    _what = "LayerwiseRetrieve"
+
+    def __init__(
+        self,
+        engine: LMCacheEngine,
+        connector: GPUConnectorInterface,
+        pending: list[Pending],
+        transfer: TransferSpec,
+        mask: torch.Tensor,
+        started: float,
+    ) -> None:
+        super().__init__(engine, connector, pending, transfer, started)
+        self._mask = mask
+
+    @property
+    def num_hit_tokens(self) -> int:
+        """Tokens that will be loaded (``True`` entries of the final mask)."""
+        return int(self._mask.sum())
+
+    def load_layer(self, layer: int) -> None:
+        """Copy ``layer`` of every hit chunk into the engine (one ``to_gpu_layer`` call).
+
+        A connector error aborts the retrieve and is raised.
+        """
+        self._check_layer(layer)
+        if self._pending:
+            try:
+                self._layerwise.to_gpu_layer(
+                    layer, [p.chunk for p in self._pending], self._transfer
+                )
+            except BaseException:
+                self.abort()
+                raise
+        self._next_layer += 1
+
+    def abort(self) -> None:
+        """Wait for enqueued copies, then release every buffer (idempotent)."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            if self._pending:
+                self._gpu.synchronize()
+        finally:
+            release_all(self._pending)
+
+    def finish(self) -> torch.Tensor:
+        """Wait for the copies and release the buffers; returns bool ``[num_tokens]``, ``True``
+        for the loaded tokens.
+        """
+        self._check_complete()
+        self.abort()  # synchronize + release
+        if self._pending:
+            self._engine._count_loaded(self._pending, self._started)
+        return self._mask
