@@ -22,6 +22,8 @@ Engine adapters are separate distributions: ``pip install "lmcache-core[vllm]"``
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 from typing import Any
 
 __version__ = "0.1.0"
@@ -36,6 +38,25 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = ["__version__", *_LAZY]
+
+
+def _apply_log_level() -> None:
+    """``LMCACHE_LOG_LEVEL=DEBUG`` (or INFO, WARNING, ...) sets our loggers' level."""
+    level = os.environ.get("LMCACHE_LOG_LEVEL", "").strip().upper()
+    if not level:
+        return
+    if not isinstance(logging.getLevelName(level), int):
+        logging.getLogger(__name__).warning(
+            "LMCACHE_LOG_LEVEL=%r is not a logging level; expected one of DEBUG, INFO, WARNING, "
+            "ERROR, CRITICAL. Keeping the default.",
+            level,
+        )
+        return
+    for name in ("lmcache", "lmcache_vllm", "lmcache_sglang", "lmcache_xpu"):
+        logging.getLogger(name).setLevel(level)
+
+
+_apply_log_level()
 
 
 def __getattr__(name: str) -> Any:

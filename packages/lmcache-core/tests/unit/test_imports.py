@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import subprocess
 import sys
 
@@ -112,3 +114,18 @@ def test_unknown_attribute_is_attribute_error() -> None:
         assert "NoSuchThing" in str(exc)
     else:
         raise AssertionError("expected AttributeError")
+
+
+def test_log_level_from_environment() -> None:
+    code = (
+        "import logging, lmcache; "
+        "print(logging.getLogger('lmcache').level, logging.getLogger('lmcache_vllm').level)"
+    )
+    env = {**os.environ, "LMCACHE_LOG_LEVEL": "debug"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(logging.DEBUG), str(logging.DEBUG)]
+    env["LMCACHE_LOG_LEVEL"] = "loud"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "is not a logging level" in out.stderr
+    assert out.stdout.split() == ["0", "0"]
