@@ -1,0 +1,577 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fused all-layer path of :class:`~lmcache_vllm.gpu_connector.VLLMPagedConnector`.
+
+For ``kv_concat`` and ``mla`` caches whose layers are views of one buffer with a uniform step
+between layers (how vLLM allocates them), all layers are gathered/scattered through one strided
+``[layers, blocks, block_size, ...]`` view with one advanced-indexing op per run of equal-sized
+chunks. Every transfer moves all chunks of a request at once, through one *chunk-major* staging
+buffer (on the device when ``config.gpu_staging_buffer``): chunk ``c``'s ``[num_layers, tokens,
+kv_width]`` block is contiguous there, so each chunk (or each run of chunks whose host buffers lie
+back to back in one pool slab) moves in one copy-engine DMA. Slot indices are built once per call,
+on the host when the slot mapping is on the host (the adapter's case: no device sync at all; they
+go to the device through a persistent pinned buffer), otherwise on the device.
+
+:class:`FusedTransfer` is a mixin of the connector: it uses the connector's geometry
+(``metadata``, ``_caches``, ``block_size``, ``num_blocks``, ``device``) and slot checks. This
+module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
+from lmcache_vllm.kv_formats import describe
+
+if TYPE_CHECKING:
+    from lmcache.metadata import LMCacheMetadata
+
+__all__ = ["FusedTransfer", "fuse_layers"]
+
+logger = logging.getLogger(__name__)
+
+
+def fuse_layers(caches: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """All layers as one strided view ``[layers, *layer_shape]``, or ``None``.
+
+    Possible when every layer is a view of one storage with the same shape and strides and a
+    uniform, non-overlapping element step between consecutive layers (vLLM's allocation).
+    """
+    first = caches[0]
+    if first.numel() == 0:
+        return None
+    span = 1 + sum((n - 1) * abs(st) for n, st in zip(first.shape, first.stride(), strict=True))
+    step = caches[1].storage_offset() - first.storage_offset() if len(caches) > 1 else span
+    if abs(step) < span:
+        return None  # layers alias or overlap: one fused write would race
+    base = first.untyped_storage().data_ptr()
+    for i, t in enumerate(caches):
+        if (
+            t.stride() != first.stride()
+            or t.untyped_storage().data_ptr() != base
+            or t.storage_offset() != first.storage_offset() + i * step
+        ):
+            return None
+    try:
+        return first.as_strided(
+            (len(caches), *first.shape), (step, *first.stride()), first.storage_offset()
+        )
+    except RuntimeError:  # a view reaching outside the storage: not one buffer after all
+        return None
+
+
+_WIDE = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16))
+
+
+def _widen(t: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """``t`` reinterpreted with the widest element that fits (fewer, larger elements for the
+    index kernels, which copy elements as opaque bytes), keeping ``row_bytes`` whole."""
+    isz = t.element_size()
+    for w, dt in _WIDE:
+        if w <= isz:
+            break
+        if row_bytes % w or (t.shape[-1] * isz) % w:
+            continue
+        try:
+            return t.view(dt)
+        except RuntimeError:
+            continue
+    return t
+
+
+@dataclass
+class _Op:
+    """One gather/scatter: ``g`` consecutive staged chunks of ``n`` tokens from staging token
+    ``pos``, layers ``[l0, l1)`` of the call's layers, tokens ``[t0, n)`` of each chunk."""
+
+    pos: int
+    g: int
+    n: int
+    t0: int
+    l0: int
+    l1: int
+    piece: int
+
+
+@dataclass
+class _Run:
+    """Staging bytes ``[lo, lo + nbytes)`` <-> host bytes, moved with one copy.
+
+    ``host`` is the first chunk's host tensor; ``count`` chunks lie back to back after it in one
+    storage when ``count > 1`` (see :meth:`host_view`). A non-contiguous host tensor is copied
+    through a staging view of its shape.
+    """
+
+    lo: int
+    nbytes: int
+    host: torch.Tensor
+    contiguous: bool
+    end_ptr: int
+    storage_ptr: int
+    piece: int
+    count: int = 1
+
+    def host_view(self) -> torch.Tensor:
+        if not self.contiguous:
+            return self.host
+        flat = self.host.reshape(-1).view(torch.uint8)
+        if self.count == 1:
+            return flat
+        return flat.as_strided((self.nbytes,), (1,), flat.storage_offset())
+
+
+@dataclass
+class _Plan:
+    """Where the chunks of one call lie in the chunk-major staging buffer, and what moves.
+
+    Staged chunk ``i`` owns staging tokens ``[pos_i, pos_i + n_i)`` and bytes ``[pos_i *
+    row_bytes, (pos_i + n_i) * row_bytes)``, laid out ``[layers, n_i, kv_width]``. Ops and runs
+    are grouped into ``pieces``: piece ``i``'s host copies may overlap piece ``i + 1``'s gather
+    (or piece ``i - 1``'s scatter).
+    """
+
+    row_bytes: int
+    layer_bytes: int  # bytes of one layer of one token
+    tokens: list[tuple[int, int]]  # request token ranges of the staged chunks, in order
+    total: int = 0
+    ops: list[_Op] = field(default_factory=list)
+    kept: list[tuple[int, int]] = field(default_factory=list)  # staging spans that move
+    runs: list[_Run] = field(default_factory=list)
+    pieces: int = 0
+
+    def token_ids(self) -> torch.Tensor:
+        """``[total]`` int64: request token index of every staging token."""
+        return torch.cat([torch.arange(a, b) for a, b in self.tokens])
+
+    def kept_positions(self) -> torch.Tensor:
+        return torch.cat([torch.arange(a, b) for a, b in self.kept])
+
+
+class FusedTransfer:
+    """Mixin: the fused all-layer path (see the module docstring).
+
+    The host class sets ``metadata``, ``_caches``, ``block_size``, ``num_blocks``, ``device``
+    and provides ``_check_slots``, ``_stream_ctx`` and ``_sync``; it calls
+    :meth:`_init_fused` before :meth:`_setup_fused`.
+    """
+
+    metadata: LMCacheMetadata
+    kv_format: str
+    _caches: list[torch.Tensor]
+    block_size: int
+    num_blocks: int
+    device: torch.device
+    _last_stream: Any
+
+    pipeline_bytes: int = 64 << 20
+    """On CUDA, a call is cut into about four pieces of at most this many bytes (and at least
+    ``min_piece_bytes``); piece ``i``'s host copy (on a side stream) overlaps piece ``i + 1``'s
+    gather or piece ``i - 1``'s scatter. ``0`` runs the gather and the copies back to back on one
+    stream."""
+
+    min_piece_bytes: int = 32 << 20
+    """Smallest piece: each piece costs a dozen host-side launches, which must stay well under
+    its copy time (32 MiB take ~0.6 ms at PCIe 5 speed), so small calls are one piece."""
+
+    if TYPE_CHECKING:
+
+        @property
+        def num_layers(self) -> int: ...
+
+        @property
+        def kv_width(self) -> int: ...
+
+        @property
+        def dtype(self) -> torch.dtype: ...
+
+        def _check_slots(self, slots: torch.Tensor, token_ids: Any) -> None: ...
+
+        def _stream_ctx(self, transfer: TransferSpec) -> Any: ...
+
+        def _sync(self, transfer: TransferSpec) -> None: ...
+
+    def _init_fused(self) -> None:
+        # Fused all-layer view (see _setup_fused); None -> the per-layer path.
+        self._fused: torch.Tensor | None = None
+        self._fused_split = False  # head_k != head_v: rows are [heads, K||V], split on copy
+        self._fused_by_slot = False  # _fused is [L, slots, *row], else [L, B, N, *row]
+        self._layer_ids = torch.empty(0, dtype=torch.int64)
+        self._all_layers = self._layer_ids
+        self._copy_stream_obj: Any = None
+        # Persistent pinned host buffers (CUDA): index upload and the slot-range answer.
+        self._pinned_idx: torch.Tensor | None = None
+        self._pinned_idx_done: Any = None  # event: the last upload from _pinned_idx finished
+        self._pinned_lo_hi: torch.Tensor | None = None
+
+    def _setup_fused(self) -> None:
+        """Build ``self._fused``: every layer at once, indexed ``[layer, block, offset]``.
+
+        ``mla``: ``[L, B, N, latent]``. ``kv_concat``: ``[L, B, N, 2, H, head]`` when K and V
+        heads are equal (so one gathered row is already the canonical ``[all K, all V]``),
+        else ``[L, B, N, H, head_k + head_v]``. Rows are widened to 16-byte elements when the
+        strides allow (same bytes, fewer elements for the index kernels), and ``B, N`` merge
+        into one slot axis when their strides allow (FlashAttention's LBNHC, MLA).
+        """
+        fused = fuse_layers(self._caches)
+        if fused is None:
+            logger.info(
+                "lmcache: vLLM KV layers are not views of one buffer with a uniform step "
+                "(layer 0: %s); gathering layer by layer",
+                describe(self._caches[0]),
+            )
+            return
+        md = self.metadata
+        if self.kv_format == "mla":
+            view = fused  # [L, B, N, D]
+        else:
+            view = fused.permute(0, 1, 3, 2, 4)  # [L, B, N, H, C]
+            if md.head_size_k == md.head_size_v:
+                view = view.unflatten(-1, (2, md.head_size_k)).transpose(3, 4)
+            else:
+                self._fused_split = True
+        if not self._fused_split:
+            view = _widen(view, self.kv_width * fused.element_size())
+        try:  # [L, slots, *row]: one index per token instead of (block, offset)
+            view = view.view(view.shape[0], -1, *view.shape[3:])
+            self._fused_by_slot = True
+        except RuntimeError:  # blocks and offsets do not merge (e.g. LBHNC)
+            pass
+        self._fused = view
+        self._layer_ids = torch.arange(self.num_layers, dtype=torch.int64, device=self.device)
+        self._all_layers = self._layer_ids.view(1, -1, 1)
+
+    # -- fused path: all layers per op, chunk-major staging ------------------------------------
+
+    def _piece_bytes(self, total_bytes: int) -> int:
+        """Target bytes per piece on CUDA (0: one piece): about four pieces a call, each at
+        most ``pipeline_bytes`` and at least ``min_piece_bytes`` (capped by the former)."""
+        cap = self.pipeline_bytes
+        if self.device.type != "cuda" or cap <= 0:
+            return 0
+        return max(min(self.min_piece_bytes, cap), min(cap, total_bytes // 4))
+
+    def _plan(
+        self, layers: range, chunks: Sequence[ChunkTransfer], skip: int, piece_bytes: int = -1
+    ) -> _Plan:
+        """Lay the chunks that move out in the staging buffer (chunk-major) and find the host
+        copies: one per chunk, merged when host buffers lie back to back in one storage.
+
+        ``piece_bytes``: cut into pieces of about this size (0: one piece; -1: the default,
+        :meth:`_piece_bytes`); a chunk larger than a piece is cut by layers.
+        """
+        nl = len(layers)
+        layer_bytes = self.kv_width * self._caches[0].element_size()
+        row_bytes = nl * layer_bytes
+        plan = _Plan(row_bytes, layer_bytes, [])
+        staged = []
+        for c in chunks:
+            t0 = min(max(skip - c.start, 0), c.num_tokens)
+            if t0 < c.num_tokens:  # else the engine holds all of this chunk already
+                staged.append((c, t0))
+        if piece_bytes < 0:
+            piece_bytes = self._piece_bytes(sum(c.num_tokens for c, _ in staged) * row_bytes)
+        whole = layers.start == 0 and layers.stop == self.num_layers
+        pos, piece, fill = 0, -1, 0
+        for c, t0 in staged:
+            n = c.num_tokens
+            if plan.tokens and plan.tokens[-1][1] == c.start:
+                plan.tokens[-1] = (plan.tokens[-1][0], c.end)
+            else:
+                plan.tokens.append((c.start, c.end))
+            if plan.kept and plan.kept[-1][1] == pos + t0:
+                plan.kept[-1] = (plan.kept[-1][0], pos + n)
+            else:
+                plan.kept.append((pos + t0, pos + n))
+            nbytes = n * row_bytes
+            host = c.buffer if whole else c.buffer[layers.start : layers.stop]
+            if piece_bytes > 0 and nbytes > piece_bytes and nl > 1:  # cut this chunk by layers
+                k = min(nl, -(-nbytes // piece_bytes))
+                bounds = [nl * i // k for i in range(k + 1)]
+                for l0, l1 in itertools.pairwise(bounds):
+                    piece += 1
+                    plan.ops.append(_Op(pos, 1, n, t0, l0, l1, piece))
+                    self._add_run(
+                        plan,
+                        pos * row_bytes + l0 * n * layer_bytes,
+                        (l1 - l0) * n * layer_bytes,
+                        host[l0:l1],
+                        piece,
+                    )
+                fill = piece_bytes  # the next chunk starts a new piece
+            else:
+                if piece < 0 or (piece_bytes > 0 and fill + nbytes > piece_bytes and fill > 0):
+                    piece, fill = piece + 1, 0
+                fill += nbytes
+                last = plan.ops[-1] if plan.ops else None
+                if (
+                    last is not None
+                    and last.piece == piece
+                    and t0 == 0
+                    and last.t0 == 0
+                    and last.n == n
+                    and last.l1 - last.l0 == nl
+                ):
+                    last.g += 1
+                else:
+                    plan.ops.append(_Op(pos, 1, n, t0, 0, nl, piece))
+                self._add_run(plan, pos * row_bytes, nbytes, host, piece)
+            pos += n
+        plan.total = pos
+        plan.pieces = piece + 1
+        return plan
+
+    @staticmethod
+    def _add_run(plan: _Plan, lo: int, nbytes: int, host: torch.Tensor, piece: int) -> None:
+        contiguous = host.is_contiguous()
+        ptr = host.data_ptr()
+        sptr = host.untyped_storage().data_ptr() if contiguous else 0
+        last = plan.runs[-1] if plan.runs else None
+        if (
+            contiguous
+            and last is not None
+            and last.contiguous
+            and last.piece == piece
+            and last.end_ptr == ptr
+            and last.storage_ptr == sptr
+            and last.lo + last.nbytes == lo
+        ):
+            last.nbytes += nbytes
+            last.end_ptr += nbytes
+            last.count += 1
+            return
+        plan.runs.append(_Run(lo, nbytes, host, contiguous, ptr + nbytes, sptr, piece))
+
+    def _fused_indices(self, plan: _Plan, transfer: TransferSpec) -> tuple[torch.Tensor, Any]:
+        """``(indices, check)``: ``[1, total]`` slots or ``[2, total]`` (block, offset) of the
+        staging tokens, int64 on the device (see ``_fused_by_slot``).
+
+        A host slot mapping is checked here, before anything is queued, and its indices go to
+        the device in one pinned copy (no sync). A device slot mapping is checked on the device:
+        ``check()`` raises ``ValueError`` for a bad slot once the device has answered (call it
+        before trusting a scatter); until then slots are clamped so no access goes out of bounds.
+        """
+        sm = transfer.slot_mapping
+        if len(plan.tokens) == 1:
+            a, b = plan.tokens[0]
+            slots = sm[a:b]
+        else:
+            slots = sm[plan.token_ids().to(sm.device)]
+        bs, limit = self.block_size, self.num_blocks * self.block_size
+        if len(plan.kept) == 1 and plan.kept[0] == (0, plan.total):
+            kept_pos: Any = None
+        elif len(plan.kept) == 1:
+            kept_pos = slice(*plan.kept[0])
+        else:
+            kept_pos = plan.kept_positions()
+
+        def token_ids() -> torch.Tensor:
+            ids = plan.token_ids()
+            return ids if kept_pos is None else ids[kept_pos]
+
+        rows = 1 if self._fused_by_slot else 2
+        if slots.device.type == "cpu" or self.device.type == "cpu":
+            slots = slots.to("cpu", torch.int64)
+            self._check_slots(slots if kept_pos is None else slots[kept_pos], token_ids)
+            if self.device.type == "cuda":
+                idx = self._pinned_indices(rows * plan.total).view(rows, plan.total)
+            else:
+                idx = torch.empty((rows, plan.total), dtype=torch.int64)
+            if rows == 1:
+                idx[0] = slots
+            else:
+                torch.div(slots, bs, rounding_mode="floor", out=idx[0])
+                torch.remainder(slots, bs, out=idx[1])
+            if self.device.type != "cuda":
+                return idx, lambda: None
+            on_dev = idx.to(self.device, non_blocking=True)
+            self._pinned_idx_done = torch.cuda.Event()
+            self._pinned_idx_done.record()
+            return on_dev, lambda: None
+        slots = slots.to(self.device, torch.int64)
+        on_dev = kept_pos.to(self.device) if isinstance(kept_pos, torch.Tensor) else kept_pos
+        kept = slots if on_dev is None else slots[on_dev]
+        if self._pinned_lo_hi is None:
+            self._pinned_lo_hi = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        lo_hi = self._pinned_lo_hi  # read back within this call (check), so reuse is safe
+        lo_hi.copy_(torch.stack(torch.aminmax(kept)), non_blocking=True)
+        answered = torch.cuda.Event()
+        answered.record()
+        slots = slots.clamp(0, limit - 1)
+        if rows == 1:
+            idx = slots.view(1, -1)
+        else:
+            blocks = torch.div(slots, bs, rounding_mode="floor")
+            idx = torch.stack((blocks, slots - blocks * bs))
+
+        def check() -> None:
+            answered.synchronize()
+            lo, hi = lo_hi.tolist()
+            if lo < 0 or hi >= limit:  # find the culprits on the host (error path only)
+                host = transfer.slot_mapping.to("cpu", torch.int64)[token_ids()]
+                self._check_slots(host, token_ids)
+
+        return idx, check
+
+    def _pinned_indices(self, numel: int) -> torch.Tensor:
+        """``[numel]`` int64 view of the persistent pinned index buffer (grown on demand).
+
+        Allocating pinned memory costs ~0.2 ms a call; the buffer is reused instead, after the
+        previous call's upload from it has finished (normally long done: no wait)."""
+        buf = self._pinned_idx
+        if buf is None or buf.numel() < numel:
+            if self._pinned_idx_done is not None:  # the old buffer may still be uploading
+                self._pinned_idx_done.synchronize()
+            size = max(numel, 2 * buf.numel() if buf is not None else 1 << 12)
+            buf = self._pinned_idx = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        elif self._pinned_idx_done is not None:
+            self._pinned_idx_done.synchronize()
+        self._pinned_idx_done = None
+        return buf[:numel]
+
+    def _op_views(
+        self, plan: _Plan, staging: torch.Tensor, layers: range, idx: torch.Tensor, op: _Op
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """``(index tensors, staging view [g, layers, n - t0, *row])`` of one op."""
+        assert self._fused is not None
+        nl = op.l1 - op.l0
+        if nl == self.num_layers:
+            lids = self._all_layers
+        else:
+            a = layers.start + op.l0
+            lids = self._layer_ids[a : a + nl].view(1, -1, 1)
+        tok = idx[:, op.pos : op.pos + op.g * op.n]
+        if op.t0:
+            tok = tok.view(-1, op.g, op.n)[:, :, op.t0 :]
+        tok = tok.view(-1, op.g, 1, op.n - op.t0)
+        lo = op.pos * plan.row_bytes + op.l0 * op.n * plan.layer_bytes
+        region = staging[lo : lo + op.g * op.n * nl * plan.layer_bytes]
+        if self._fused_split:
+            view = region.view(self.dtype).view(op.g, nl, op.n, self.kv_width)
+        else:
+            a = self._fused
+            row = a.shape[2:] if self._fused_by_slot else a.shape[3:]
+            view = region.view(a.dtype).view(op.g, nl, op.n, *row)
+        if op.t0:
+            view = view[:, :, op.t0 :]
+        return [lids, *tok.unbind(0)], view
+
+    def _split_kv(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[..., kv_width]`` -> K ``[..., H, head_k]`` and V ``[..., H, head_v]`` views."""
+        md = self.metadata
+        nk = md.num_kv_heads * md.head_size_k
+        k = rows[..., :nk].unflatten(-1, (md.num_kv_heads, md.head_size_k))
+        v = rows[..., nk:].unflatten(-1, (md.num_kv_heads, md.head_size_v))
+        return k, v
+
+    def _gather(
+        self, plan: _Plan, staging: torch.Tensor, layers: range, idx: torch.Tensor, piece: int
+    ) -> None:
+        """Gather every op of ``piece`` (all ops when ``piece < 0``) into staging."""
+        assert self._fused is not None
+        for op in plan.ops:
+            if piece >= 0 and op.piece != piece:
+                continue
+            index, out = self._op_views(plan, staging, layers, idx, op)
+            if self._fused_split:
+                rows = self._fused[tuple(index)]  # [g, layers, n, H, head_k + head_v]
+                k, v = self._split_kv(out)
+                k.copy_(rows[..., : self.metadata.head_size_k])
+                v.copy_(rows[..., self.metadata.head_size_k :])
+            else:
+                torch.ops.aten.index.Tensor_out(self._fused, index, out=out)
+
+    def _scatter(
+        self, plan: _Plan, staging: torch.Tensor, layers: range, idx: torch.Tensor, piece: int
+    ) -> None:
+        """Scatter every op of ``piece`` (all ops when ``piece < 0``) into the cache."""
+        assert self._fused is not None
+        for op in plan.ops:
+            if piece >= 0 and op.piece != piece:
+                continue
+            index, src = self._op_views(plan, staging, layers, idx, op)
+            if self._fused_split:
+                src = torch.cat(self._split_kv(src), dim=-1)
+            self._fused.index_put_(tuple(index), src)
+
+    def _copy_runs(
+        self, plan: _Plan, staging: torch.Tensor, to_host: bool, piece: int = -1
+    ) -> None:
+        for r in plan.runs:
+            if piece >= 0 and r.piece != piece:
+                continue
+            dev = staging[r.lo : r.lo + r.nbytes]
+            host = r.host_view()
+            if not r.contiguous:
+                dev = dev.view(self.dtype).view(host.shape)
+            if to_host:
+                host.copy_(dev, non_blocking=True)
+            else:
+                dev.copy_(host, non_blocking=True)
+
+    def _copy_stream(self, plan: _Plan) -> Any:
+        """The side stream for the host copies when ``plan`` has several pieces, else ``None``."""
+        if plan.pieces <= 1:
+            return None
+        if self._copy_stream_obj is None:
+            self._copy_stream_obj = torch.cuda.Stream(self.device)
+        return self._copy_stream_obj
+
+    def _fused_from(
+        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> None:
+        plan = self._plan(layers, chunks, 0)
+        with self._stream_ctx(transfer):
+            idx, check = self._fused_indices(plan, transfer)
+            staging = torch.empty(
+                plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
+            )
+            copy = self._copy_stream(plan)
+            if copy is None:
+                self._gather(plan, staging, layers, idx, -1)
+                self._copy_runs(plan, staging, to_host=True)
+            else:  # gather piece i + 1 while piece i goes to the host
+                main = torch.cuda.current_stream(self.device)
+                for piece in range(plan.pieces):
+                    self._gather(plan, staging, layers, idx, piece)
+                    copy.wait_stream(main)
+                    with torch.cuda.stream(copy):
+                        self._copy_runs(plan, staging, to_host=True, piece=piece)
+                main.wait_stream(copy)
+        self._sync(transfer)
+        check()
+
+    def _fused_to(
+        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> None:
+        plan = self._plan(layers, chunks, transfer.skip_tokens)
+        if plan.total == 0:
+            return
+        with self._stream_ctx(transfer):
+            idx, check = self._fused_indices(plan, transfer)
+            staging = torch.empty(
+                plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
+            )
+            copy = self._copy_stream(plan)
+            if copy is None:
+                self._copy_runs(plan, staging, to_host=False)
+                check()
+                self._scatter(plan, staging, layers, idx, -1)
+            else:  # scatter piece i while piece i + 1 comes from the host
+                main = torch.cuda.current_stream(self.device)
+                copy.wait_stream(main)  # staging's memory may have been in use on main
+                done = []
+                with torch.cuda.stream(copy):
+                    for piece in range(plan.pieces):
+                        self._copy_runs(plan, staging, to_host=False, piece=piece)
+                        done.append(copy.record_event())
+                check()
+                for piece in range(plan.pieces):
+                    main.wait_event(done[piece])
+                    self._scatter(plan, staging, layers, idx, piece)
+        self._last_stream = transfer.stream
