@@ -116,7 +116,8 @@ def gpu(session: nox.Session) -> None:
     """CUDA tests (``-m gpu``) with the interpreter at hand; skipped with a reason without a GPU.
 
     Run on a CUDA machine whose Python has torch, PyYAML, xxhash, prometheus-client and pytest:
-    ``pip install --no-deps -e packages/lmcache-core -e packages/lmcache-vllm && nox -s gpu``.
+    ``pip install --no-build-isolation --no-deps -e packages/lmcache-core -e packages/lmcache-vllm``
+    then ``nox -s gpu``.
     """
     if shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidia0"):
         session.skip("no CUDA GPU on this machine (nvidia-smi not found): run `nox -s gpu` on one")
