@@ -184,10 +184,6 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface,
         return len(self._caches)
 
     @property
-    def kv_width(self) -> int:
-        return self.metadata.kv_width
-
-    @property
     def dtype(self) -> torch.dtype:
         return self._caches[0].dtype
 
@@ -216,25 +212,6 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface,
         )
 
     # -- request-level bookkeeping -------------------------------------------------------------
-
-    def _check_chunks(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        for c in chunks:
-            want = self.chunk_shape(c.num_tokens)
-            if tuple(c.buffer.shape) != want:
-                raise ValueError(
-                    f"chunk [{c.start}, {c.end}) buffer has shape {tuple(c.buffer.shape)}; "
-                    f"expected {want} ([num_layers, num_tokens, kv_width])"
-                )
-            if c.buffer.dtype != self.dtype:
-                raise ValueError(
-                    f"chunk [{c.start}, {c.end}) buffer has dtype {c.buffer.dtype}; expected "
-                    f"{self.dtype} (the KV cache dtype)"
-                )
-            if c.start < 0 or c.end > transfer.slot_mapping.numel() or c.end <= c.start:
-                raise ValueError(
-                    f"chunk [{c.start}, {c.end}) is outside the slot mapping of "
-                    f"{transfer.slot_mapping.numel()} tokens"
-                )
 
     def _token_slots(
         self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec, skip: int
@@ -307,7 +284,7 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface,
     def _from(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
         if not chunks:
             return
-        self._check_chunks(chunks, transfer)
+        self.check_chunks(chunks, transfer)
         if self._kt_v_blocks:
             self._kt_v_from(layers, chunks, transfer)
             return
@@ -330,7 +307,7 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface,
     def _to(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
         if not chunks:
             return
-        self._check_chunks(chunks, transfer)
+        self.check_chunks(chunks, transfer)
         if self._kt_v_blocks:
             self._kt_v_to(layers, chunks, transfer)
             return

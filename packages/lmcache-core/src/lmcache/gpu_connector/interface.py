@@ -142,9 +142,9 @@ class GPUConnectorInterface(ABC):
         """Number of attention layers the connector moves."""
 
     @property
-    @abstractmethod
     def kv_width(self) -> int:
-        """Elements per token per layer in the canonical chunk format."""
+        """Elements per token per layer in the canonical chunk format (``metadata.kv_width``)."""
+        return self.metadata.kv_width
 
     @property
     @abstractmethod
@@ -159,6 +159,38 @@ class GPUConnectorInterface(ABC):
         """Bytes of one chunk buffer of ``num_tokens`` tokens."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * num_tokens * self.kv_width * itemsize
+
+    def check_chunks(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
+        """Validate chunk buffers against the geometry before any byte moves.
+
+        Raises:
+            ValueError: the slot mapping is not 1-D, a chunk's token range is empty or outside
+                the slot mapping, or a buffer's shape, dtype or device (host) is wrong.
+        """
+        sm = transfer.slot_mapping
+        if sm.dim() != 1:
+            raise ValueError(f"slot_mapping must be [num_tokens], found {list(sm.shape)}.")
+        num_tokens = sm.shape[0]
+        for i, chunk in enumerate(chunks):
+            if not 0 <= chunk.start < chunk.end <= num_tokens:
+                raise ValueError(
+                    f"Chunk {i}: token range [{chunk.start}, {chunk.end}) is not a non-empty "
+                    f"range inside the slot mapping's {num_tokens} tokens."
+                )
+            expected = self.chunk_shape(chunk.num_tokens)
+            buf = chunk.buffer
+            if tuple(buf.shape) != expected:
+                raise ValueError(
+                    f"Chunk {i}: buffer shape {list(buf.shape)} does not match the expected "
+                    f"[num_layers, num_tokens, kv_width] = {list(expected)}; allocate it with "
+                    "connector.chunk_shape(num_tokens)."
+                )
+            if buf.dtype != self.dtype:
+                raise ValueError(
+                    f"Chunk {i}: buffer dtype {buf.dtype} does not match the KV dtype {self.dtype}."
+                )
+            if buf.device.type != "cpu":
+                raise ValueError(f"Chunk {i}: buffer must be a host tensor, found {buf.device}.")
 
     @abstractmethod
     def from_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:

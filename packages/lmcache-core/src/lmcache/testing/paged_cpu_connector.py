@@ -99,39 +99,8 @@ class PagedCPUConnector(GPUConnectorInterface, SupportsLayerwise):
         return len(self._caches)
 
     @property
-    def kv_width(self) -> int:
-        return self.metadata.kv_width
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.metadata.kv_dtype
-
-    def _validate(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        num_tokens = transfer.slot_mapping.shape[0]
-        if transfer.slot_mapping.dim() != 1:
-            raise ValueError(
-                f"slot_mapping must be [num_tokens], found {list(transfer.slot_mapping.shape)}."
-            )
-        for i, chunk in enumerate(chunks):
-            if not 0 <= chunk.start < chunk.end <= num_tokens:
-                raise ValueError(
-                    f"Chunk {i}: token range [{chunk.start}, {chunk.end}) is not a non-empty "
-                    f"range inside the slot mapping's {num_tokens} tokens."
-                )
-            expected = self.chunk_shape(chunk.num_tokens)
-            buf = chunk.buffer
-            if tuple(buf.shape) != expected:
-                raise ValueError(
-                    f"Chunk {i}: buffer shape {list(buf.shape)} does not match the expected "
-                    f"[num_layers, num_tokens, kv_width] = {list(expected)}; allocate it with "
-                    "connector.chunk_shape(num_tokens)."
-                )
-            if buf.dtype != self.dtype:
-                raise ValueError(
-                    f"Chunk {i}: buffer dtype {buf.dtype} does not match the KV dtype {self.dtype}."
-                )
-            if buf.device.type != "cpu":
-                raise ValueError(f"Chunk {i}: buffer must be a host tensor, found {buf.device}.")
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
@@ -171,7 +140,7 @@ class PagedCPUConnector(GPUConnectorInterface, SupportsLayerwise):
 
     def from_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
         """Gather every chunk's tokens into its buffer ``[num_layers, num_tokens, kv_width]``."""
-        self._validate(chunks, transfer)
+        self.check_chunks(chunks, transfer)
         if not chunks:
             return
         for layer in range(self.num_layers):
@@ -179,7 +148,7 @@ class PagedCPUConnector(GPUConnectorInterface, SupportsLayerwise):
 
     def to_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
         """Scatter every chunk buffer into the engine, except the first ``skip_tokens`` tokens."""
-        self._validate(chunks, transfer)
+        self.check_chunks(chunks, transfer)
         for layer in range(self.num_layers):
             self._scatter_layer(layer, chunks, transfer)
 
@@ -188,7 +157,7 @@ class PagedCPUConnector(GPUConnectorInterface, SupportsLayerwise):
     ) -> None:
         """Gather layer ``layer`` of every chunk into ``buffer[layer]``."""
         self._check_layer(layer)
-        self._validate(chunks, transfer)
+        self.check_chunks(chunks, transfer)
         if chunks:
             self._gather_layer(layer, chunks, transfer)
 
@@ -197,7 +166,7 @@ class PagedCPUConnector(GPUConnectorInterface, SupportsLayerwise):
     ) -> None:
         """Scatter ``buffer[layer]`` of every chunk into layer ``layer`` of the engine."""
         self._check_layer(layer)
-        self._validate(chunks, transfer)
+        self.check_chunks(chunks, transfer)
         self._scatter_layer(layer, chunks, transfer)
 
 
