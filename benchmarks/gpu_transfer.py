@@ -10,7 +10,7 @@ warm-up (medians):
 - ``ceiling``: one pinned host<->device ``copy_`` of the same number of bytes (the PCIe ceiling
   measured in the same run);
 - ``store``: ``LMCacheEngine.store`` of the request (gather from the paged cache into pinned chunk
-  buffers, checksum off so the figure is the transfer alone);
+  buffers; checksums off so the figure is the transfer alone, ``--checksum`` keeps them on);
 - ``load``: ``LMCacheEngine.retrieve`` of the request into the paged cache.
 
 It first checks that a store followed by a load reproduces the KV bit for bit (poisoned pages).
@@ -86,6 +86,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096, 8192])
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument(
+        "--checksum",
+        action="store_true",
+        help="keep lmcache's default per-chunk xxh3 checksums (computed on store, verified on load)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_transfer.py needs a CUDA GPU")
@@ -93,7 +98,7 @@ def main() -> None:
     max_tokens = max(args.tokens)
     num_blocks = 4 * max_tokens // PAGE + 1
     chunk = 256
-    config = LMCacheConfig(chunk_size=chunk, max_local_cpu_size=12.0, checksum=False)
+    config = LMCacheConfig(chunk_size=chunk, max_local_cpu_size=12.0, checksum=args.checksum)
     meta = LMCacheMetadata(
         "bench/llama-8b", 1, 0, 0, 1, DTYPE, LAYERS, HEADS, HEAD, HEAD, chunk_size=chunk
     )

@@ -44,7 +44,7 @@ from lmcache.keys import chunk_keys, chunk_ranges
 from lmcache.layerwise import LayerwiseRetrieve, LayerwiseStore, Pending, release_all
 from lmcache.memory import HostMemoryPool
 from lmcache.metrics import LMCacheMetrics
-from lmcache.tiers import CPUTier, tensor_checksum
+from lmcache.tiers import CPUTier
 
 if TYPE_CHECKING:
     from lmcache.config import LMCacheConfig
@@ -249,8 +249,10 @@ class LMCacheEngine:
     def _commit_store(self, pending: Sequence[Pending], started: float) -> int:
         """Checksum the filled buffers and hand them to the tier; returns tokens stored."""
         stored_tokens = stored_bytes = 0
-        for p in pending:
-            checksum = tensor_checksum(p.lease.tensor) if self.config.checksum else None
+        checksums: list[int | None] = [None] * len(pending)
+        if self.config.checksum:
+            checksums = list(self.tier.checksums([p.lease.tensor for p in pending]))
+        for p, checksum in zip(pending, checksums, strict=True):
             try:
                 self.tier.put(p.key, p.lease, checksum)
             except Exception as exc:

@@ -138,3 +138,44 @@ def test_remove_and_clear_return_bytes() -> None:
     assert tier.pool.used_bytes == CHUNK_BYTES
     held.release()
     assert tier.pool.used_bytes == 0
+
+
+def test_large_chunk_checksum_hashes_slice_digests_and_threads_agree() -> None:
+    """Over CHECKSUM_SLICE_BYTES the checksum is xxh3-64 of the slices' xxh3-64 digests."""
+    import struct
+
+    from lmcache.tiers import CHECKSUM_SLICE_BYTES
+
+    nbytes = 2 * CHECKSUM_SLICE_BYTES + 12_345  # three slices, the last one short
+    t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    raw = t.numpy().tobytes()
+    digests = [
+        xxhash.xxh3_64_intdigest(raw[i : i + CHECKSUM_SLICE_BYTES])
+        for i in range(0, nbytes, CHECKSUM_SLICE_BYTES)
+    ]
+    expected = xxhash.xxh3_64_intdigest(struct.pack("<3Q", *digests))
+    assert tensor_checksum(t) == expected
+    tier, _ = _tier(1)
+    small = torch.randn(SHAPE)
+    assert tier.checksums([t, small, t]) == [expected, tensor_checksum(small), expected]
+
+
+def test_corruption_in_the_last_slice_of_a_large_chunk_is_a_miss() -> None:
+    from lmcache.tiers import CHECKSUM_SLICE_BYTES
+
+    metrics = LMCacheMetrics()
+    shape = (2, 1024, 1024 + 7)  # float32: a bit over 2 slices
+    nbytes = 2 * 1024 * (1024 + 7) * 4
+    assert nbytes > 2 * CHECKSUM_SLICE_BYTES
+    tier = CPUTier(HostMemoryPool(2 * nbytes, pin=False), metrics)
+    lease = tier.allocate(shape, torch.float32)
+    assert lease is not None
+    with lease:
+        lease.tensor.copy_(torch.randn(shape))
+        tier.put(b"big", lease, tier.checksums([lease.tensor])[0])
+    good = _get(tier, b"big")
+    good.tensor.view(torch.uint8).reshape(-1)[-1] ^= 1  # flip one bit in the last slice
+    good.release()
+    assert tier.get(b"big") is None
+    assert metrics.value("checksum_failures") == 1
+    assert not tier.contains(b"big")

@@ -3,7 +3,13 @@
 
 from __future__ import annotations
 
-from lmcache.tiers.cpu_tier import CPUTier, tensor_checksum
+from lmcache.tiers.cpu_tier import CHECKSUM_SLICE_BYTES, CPUTier, tensor_checksum
 from lmcache.tiers.process_tier import process_cpu_tier, reset_process_cpu_tiers
 
-__all__ = ["CPUTier", "process_cpu_tier", "reset_process_cpu_tiers", "tensor_checksum"]
+__all__ = [
+    "CHECKSUM_SLICE_BYTES",
+    "CPUTier",
+    "process_cpu_tier",
+    "reset_process_cpu_tiers",
+    "tensor_checksum",
+]
