@@ -8,16 +8,15 @@ per-layer token path through a staging buffer is the reference.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from lmcache.config import LMCacheConfig
 from lmcache.gpu_connector import ChunkTransfer, EngineInfo, TransferSpec
-from lmcache.memory.pinned_pool import ALIGNMENT, HostMemoryPool
+from lmcache.memory.pinned_pool import ALIGNMENT
 from lmcache.metadata import LMCacheMetadata
 from lmcache_vllm.gpu_connector import VLLMPagedConnector
+from lmcache_vllm.testing.chunk_buffers import chunk_buffers as _buffers
 
 BLOCK, NUM_BLOCKS, LAYERS, HEADS, HEAD, CHUNK = 4, 40, 3, 2, 8, 8
 N = 29  # tokens of the request
@@ -78,27 +77,6 @@ def _slots(kind: str, seed: int) -> torch.Tensor:
     if kind == "shuffled":
         slots[8:12] = slots[8:12].flip(0)
     return slots
-
-
-@contextlib.contextmanager
-def _buffers(conn, ranges, layout: str):
-    if layout == "strided":
-        yield [
-            torch.zeros(conn.kv_width, e - s, conn.num_layers, dtype=conn.dtype).permute(2, 1, 0)
-            for s, e in ranges
-        ]
-        return
-    pool = HostMemoryPool(64 << 20, pin=False, slab_bytes=1 << 20)
-    with contextlib.ExitStack() as stack:
-        bufs = []
-        for s, e in ranges:
-            lease = pool.allocate(conn.chunk_shape(e - s), conn.dtype)
-            stack.enter_context(lease)
-            if layout == "scattered":
-                stack.enter_context(pool.allocate((1000,), torch.uint8))
-            lease.tensor.fill_(0)
-            bufs.append(lease.tensor)
-        yield bufs
 
 
 RANGES = {

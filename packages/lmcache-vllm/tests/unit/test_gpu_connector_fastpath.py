@@ -8,16 +8,15 @@ reference. Runs on CPU tensors, and on CUDA tensors too when a GPU is present.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from lmcache.config import LMCacheConfig
 from lmcache.gpu_connector import ChunkTransfer, EngineInfo, TransferSpec
-from lmcache.memory.pinned_pool import ALIGNMENT, HostMemoryPool
+from lmcache.memory.pinned_pool import ALIGNMENT
 from lmcache.metadata import LMCacheMetadata
 from lmcache_vllm.gpu_connector import VLLMPagedConnector
+from lmcache_vllm.testing.chunk_buffers import chunk_buffers as _buffers
 
 BLOCK, NUM_BLOCKS, LAYERS, CHUNK = 4, 40, 3, 8
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -76,29 +75,6 @@ def _conn(kind: str, md: LMCacheMetadata, caches: list[torch.Tensor], fused: boo
     if not fused:
         conn._fused = None  # force the per-layer reference path
     return conn
-
-
-@contextlib.contextmanager
-def _buffers(conn, ranges, layout: str):
-    """Chunk buffers: ``adjacent`` (back to back in one slab), ``scattered`` (gaps between),
-    or ``strided`` (non-contiguous host tensors)."""
-    if layout == "strided":
-        yield [
-            torch.zeros(conn.kv_width, e - s, conn.num_layers, dtype=conn.dtype).permute(2, 1, 0)
-            for s, e in ranges
-        ]
-        return
-    pool = HostMemoryPool(64 << 20, pin=False, slab_bytes=1 << 20)
-    with contextlib.ExitStack() as stack:
-        bufs = []
-        for s, e in ranges:
-            lease = pool.allocate(conn.chunk_shape(e - s), conn.dtype)
-            stack.enter_context(lease)
-            if layout == "scattered":
-                stack.enter_context(pool.allocate((1000,), torch.uint8))
-            lease.tensor.fill_(0)
-            bufs.append(lease.tensor)
-        yield bufs
 
 
 RANGE_SETS = {
