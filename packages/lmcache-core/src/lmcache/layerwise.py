@@ -10,7 +10,7 @@ and return one of these plain objects; the caller drives it layer by layer, in o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -79,6 +79,21 @@ class _LayerwiseOp:
                 f"layer {self._next_layer}, found {layer}."
             )
 
+    def _step(
+        self,
+        layer: int,
+        move: Callable[[int, Sequence[ChunkTransfer], TransferSpec], None],
+    ) -> None:
+        """Run ``move`` for ``layer`` over every chunk; a failure aborts and is raised."""
+        self._check_layer(layer)
+        if self._pending:
+            try:
+                move(layer, [p.chunk for p in self._pending], self._transfer)
+            except BaseException:
+                self.abort()
+                raise
+        self._next_layer += 1
+
     def _check_complete(self) -> None:
         if self._done:
             raise RuntimeError(f"This {self._what} is finished or aborted already.")
@@ -113,16 +128,7 @@ class LayerwiseStore(_LayerwiseOp):
 
         A connector error aborts the store and is raised.
         """
-        self._check_layer(layer)
-        if self._pending:
-            try:
-                self._layerwise.from_gpu_layer(
-                    layer, [p.chunk for p in self._pending], self._transfer
-                )
-            except BaseException:
-                self.abort()
-                raise
-        self._next_layer += 1
+        self._step(layer, self._layerwise.from_gpu_layer)
 
     def finish(self) -> int:
         """Make the chunks visible to lookups; returns the number of tokens stored."""
@@ -165,16 +171,7 @@ class LayerwiseRetrieve(_LayerwiseOp):
 
         A connector error aborts the retrieve and is raised.
         """
-        self._check_layer(layer)
-        if self._pending:
-            try:
-                self._layerwise.to_gpu_layer(
-                    layer, [p.chunk for p in self._pending], self._transfer
-                )
-            except BaseException:
-                self.abort()
-                raise
-        self._next_layer += 1
+        self._step(layer, self._layerwise.to_gpu_layer)
 
     def abort(self) -> None:
         """Wait for enqueued copies, then release every buffer (idempotent)."""
