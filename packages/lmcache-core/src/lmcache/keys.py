@@ -6,6 +6,15 @@ Tokens are cut into chunks of ``chunk_size`` (the last one may be partial). Chun
     key[-1] = xxh3_128(b"lmcache-chunk-key-v1\\0" + fingerprint + b"\\0" + salt).digest()
     key[i]  = xxh3_128(key[i - 1] + tokens[i] as little-endian uint32).digest()
 
+Per-chunk extra key material (``extra_keys``, e.g. the hashes of the multimodal items whose
+placeholder tokens are in chunk ``i``) is folded into the chain before chunk ``i``'s tokens::
+
+    prev    = xxh3_128(key[i - 1] + b"lmcache-chunk-extra-v1\\0" + extra[i]).digest()
+    key[i]  = xxh3_128(prev + tokens[i] as little-endian uint32).digest()
+
+so it changes chunk ``i``'s key and, through the chain, every later key; chunks without extras hash
+exactly as before.
+
 ``digest()`` is xxhash's canonical (big-endian) 16-byte form. The chain makes a key depend on every
 token before it, so equal keys mean equal prefixes; the seed makes it depend on the model geometry
 (:meth:`lmcache.metadata.LMCacheMetadata.fingerprint`) and the cache salt (tenant isolation). Keys
@@ -17,18 +26,32 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import xxhash
 
-__all__ = ["KEY_FORMAT", "KEY_NBYTES", "chunk_keys", "chunk_ranges", "key_hex"]
+__all__ = [
+    "EXTRA_MAX_NBYTES",
+    "EXTRA_TAG",
+    "KEY_FORMAT",
+    "KEY_NBYTES",
+    "chunk_keys",
+    "chunk_ranges",
+    "key_hex",
+]
 
 KEY_FORMAT = b"lmcache-chunk-key-v1\0"
 """Domain tag that starts the seed of every key chain."""
 
 KEY_NBYTES = 16
 """Bytes per chunk key."""
+
+EXTRA_TAG = b"lmcache-chunk-extra-v1\0"
+"""Domain tag between the previous key and a chunk's extra key material."""
+
+EXTRA_MAX_NBYTES = 64
+"""Most bytes of extra key material per chunk (e.g. one or two 32-byte multimodal hashes)."""
 
 _UINT32_CODE = next(code for code in ("I", "L") if array(code).itemsize == 4)
 _TOKEN_LIMIT = 2**32
@@ -62,6 +85,7 @@ def chunk_keys(
     chunk_size: int,
     *,
     salt: str | bytes = b"",
+    extra_keys: Mapping[int, bytes] | None = None,
 ) -> list[bytes]:
     """One 16-byte key per chunk of ``token_ids`` (the trailing partial chunk included).
 
@@ -72,14 +96,21 @@ def chunk_keys(
             ``LMCacheMetadata.fingerprint()``.
         chunk_size: Tokens per chunk, > 0.
         salt: Cache salt (str is UTF-8 encoded); different salts give disjoint keys.
+        extra_keys: Extra key material per chunk index, e.g. ``{2: image_hash}`` when an image's
+            placeholder tokens start in chunk 2. Folded into the chain before that chunk's
+            tokens (tagged with :data:`EXTRA_TAG`), so it changes that key and every later one.
+            Indices must be in ``[0, number of chunks)``; values 1 to
+            :data:`EXTRA_MAX_NBYTES` bytes. ``None`` or ``{}``: no extras.
 
     Returns:
         ``len(chunk_ranges(len(token_ids), chunk_size))`` keys of :data:`KEY_NBYTES` bytes.
 
     Raises:
-        ValueError: A token id is outside ``[0, 2**32)``, the tensor is not 1-D, or
-            ``chunk_size <= 0``.
-        TypeError: ``fingerprint``/``salt`` have the wrong type, or tokens are not integers.
+        ValueError: A token id is outside ``[0, 2**32)``, the tensor is not 1-D,
+            ``chunk_size <= 0``, an ``extra_keys`` index is not a chunk index, or an extra
+            value's length is outside ``[1, EXTRA_MAX_NBYTES]``.
+        TypeError: ``fingerprint``/``salt`` have the wrong type, tokens are not integers, or an
+            ``extra_keys`` index is not an int or a value not bytes.
     """
     if not isinstance(fingerprint, bytes | bytearray | memoryview):
         raise TypeError(
@@ -94,10 +125,14 @@ def chunk_keys(
         raise TypeError(f"salt must be str or bytes, found {type(salt).__name__}")
     packed = _pack_tokens(token_ids)
     ranges = chunk_ranges(len(packed), chunk_size)
+    extras = _check_extras(extra_keys, len(ranges))
     data = memoryview(packed).cast("B")
     prev = xxhash.xxh3_128_digest(KEY_FORMAT + bytes(fingerprint) + b"\0" + salt_bytes)
     keys: list[bytes] = []
-    for start, end in ranges:
+    for index, (start, end) in enumerate(ranges):
+        extra = extras.get(index)
+        if extra is not None:
+            prev = xxhash.xxh3_128_digest(prev + EXTRA_TAG + extra)
         prev = xxhash.xxh3_128_digest(prev + data[start * 4 : end * 4])
         keys.append(prev)
     return keys
@@ -106,6 +141,42 @@ def chunk_keys(
 def key_hex(key: bytes) -> str:
     """Lower-case hex of a key, for logs and file names (32 characters)."""
     return bytes(key).hex()
+
+
+def _check_extras(extra_keys: Mapping[int, bytes] | None, num_chunks: int) -> dict[int, bytes]:
+    """Validated ``extra_keys`` as ``{chunk index: bytes}``."""
+    if not extra_keys:
+        return {}
+    if not isinstance(extra_keys, Mapping):
+        raise TypeError(
+            f"extra_keys must be a mapping {{chunk index: bytes}}, found "
+            f"{type(extra_keys).__name__}"
+        )
+    out: dict[int, bytes] = {}
+    for index, value in extra_keys.items():
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise TypeError(
+                f"extra_keys index {index!r} is a {type(index).__name__}, expected an int chunk "
+                "index (token position // chunk_size)"
+            )
+        if not 0 <= index < num_chunks:
+            raise ValueError(
+                f"extra_keys index {index} is not a chunk index: the tokens have {num_chunks} "
+                f"chunk(s), indices 0..{num_chunks - 1}. Key extras by the chunk that holds their "
+                "tokens (token position // chunk_size) and drop extras of tokens not passed."
+            )
+        if not isinstance(value, bytes | bytearray):
+            raise TypeError(
+                f"extra_keys[{index}] is a {type(value).__name__}, expected bytes (e.g. a "
+                "multimodal item hash as bytes; hex strings: bytes.fromhex(h))"
+            )
+        if not 1 <= len(value) <= EXTRA_MAX_NBYTES:
+            raise ValueError(
+                f"extra_keys[{index}] has {len(value)} bytes, expected 1 to {EXTRA_MAX_NBYTES}. "
+                f"Hash longer material first (e.g. xxh3_128 or sha256 of it)."
+            )
+        out[index] = bytes(value)
+    return out
 
 
 def _pack_tokens(token_ids: Sequence[int] | torch.Tensor) -> array[int]:

@@ -33,6 +33,13 @@ class LMCacheMetadata:
         head_size_v: Elements per V head (0 for MLA).
         use_mla: Multi-head latent attention: one latent vector per token per layer.
         chunk_size: Tokens per chunk.
+        model_revision: Revision of the model weights (e.g. a hub commit hash); ``""`` when
+            unknown. Different weights give different KV for the same tokens.
+        quantization: Weight quantization method as the engine names it (e.g. ``"awq"``,
+            ``"fp8"``); ``""`` for none.
+        kv_cache_dtype: The engine's KV-cache dtype setting (e.g. ``"fp8_e4m3"``); ``""`` for
+            the engine's default (vLLM's ``"auto"``). Two settings may store the same
+            ``kv_dtype`` element type with different scaling, so the setting is a fact of its own.
     """
 
     model_name: str
@@ -47,6 +54,9 @@ class LMCacheMetadata:
     head_size_v: int
     use_mla: bool = False
     chunk_size: int = 256
+    model_revision: str = ""
+    quantization: str = ""
+    kv_cache_dtype: str = ""
 
     def __post_init__(self) -> None:
         problems = []
@@ -66,6 +76,11 @@ class LMCacheMetadata:
             problems.append(f"use_mla=True needs head_size_v=0, found {self.head_size_v}")
         if not self.use_mla and self.head_size_v <= 0:
             problems.append(f"head_size_v={self.head_size_v} must be > 0 unless use_mla")
+        for name in ("model_revision", "quantization", "kv_cache_dtype"):
+            if not isinstance(getattr(self, name), str):
+                problems.append(
+                    f'{name}={getattr(self, name)!r} must be a str ("" when not applicable)'
+                )
         if problems:
             raise ValueError("Invalid LMCacheMetadata: " + "; ".join(problems))
 
@@ -85,10 +100,16 @@ class LMCacheMetadata:
     def fingerprint(self) -> bytes:
         """Canonical bytes of every fact that changes the KV bytes of a chunk.
 
-        Includes the model, geometry, dtype, chunk size and tensor-parallel rank/size; excludes
-        the local (per-node) placement, which does not change the bytes.
+        Includes the model, geometry, dtype, chunk size and tensor-parallel rank/size, and
+        ``model_revision``, ``quantization`` and ``kv_cache_dtype`` when they are non-empty (so
+        fingerprints, and keys, of metadata without them are those of format ``lmcache-kv-v1``
+        before these fields existed); excludes the local (per-node) placement, which does not
+        change the bytes.
+
+        Returns:
+            Compact JSON with sorted keys, UTF-8 encoded.
         """
-        facts = {
+        facts: dict[str, object] = {
             "format": "lmcache-kv-v1",
             "model_name": self.model_name,
             "world_size": self.world_size,
@@ -101,4 +122,8 @@ class LMCacheMetadata:
             "use_mla": self.use_mla,
             "chunk_size": self.chunk_size,
         }
+        for name in ("model_revision", "quantization", "kv_cache_dtype"):
+            value = getattr(self, name)
+            if value:
+                facts[name] = value
         return json.dumps(facts, sort_keys=True, separators=(",", ":")).encode()

@@ -14,7 +14,7 @@ import pytest
 import torch
 import xxhash
 
-from lmcache.keys import KEY_NBYTES, chunk_keys, chunk_ranges, key_hex
+from lmcache.keys import EXTRA_MAX_NBYTES, EXTRA_TAG, KEY_NBYTES, chunk_keys, chunk_ranges, key_hex
 
 # Published test vectors of format lmcache-chunk-key-v1:
 # (token ids, fingerprint, salt, chunk_size) -> expected key hex per chunk.
@@ -53,8 +53,58 @@ VECTORS: list[tuple[list[int], bytes, str | bytes, int, list[str]]] = [
 ]
 
 
+# Published test vectors with per-chunk extra key material (format lmcache-chunk-key-v1, extras
+# tagged b"lmcache-chunk-extra-v1\0"): (token ids, fingerprint, salt, chunk_size, extra_keys) ->
+# expected key hex per chunk. The image hashes are sha256(b"image-0") and sha256(b"image-1").
+IMAGE_0 = bytes.fromhex("3dd3f8d1db39a536c4f48318eda8e4a804f53fbc2b25b94e3aa98b201be050da")
+IMAGE_1 = bytes.fromhex("0cf457e24a479f02fd4d34540389f720f0807dcff92a7562108165b2637ea82f")
+EXTRA_VECTORS: list[tuple[list[int], bytes, str | bytes, int, dict[int, bytes], list[str]]] = [
+    (
+        list(range(10)),
+        b"model-a",
+        b"",
+        4,
+        {1: IMAGE_0},
+        [
+            "c36a172080128aa76655d91eaeda25f0",
+            "e07039b4069999678a2a1d26acf450be",
+            "d696c57da654fce121e861f9d8dff658",
+        ],
+    ),
+    (
+        [7] * 12,
+        b'{"format":"lmcache-kv-v1"}',
+        "tenant-1",
+        4,
+        {0: b"\x01", 2: IMAGE_1},
+        [
+            "a8f5a7a2ce91f6c99398cfdb91f82b8d",
+            "de78845d0714eb92833cee356702be37",
+            "c43f0d1398542cf357de1dce148346cb",
+        ],
+    ),
+    (
+        # VECTORS[0] with a 64-byte extra on its last chunk: the first two keys are unchanged.
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+        b"model-a",
+        b"",
+        4,
+        {2: bytes(range(64))},
+        [
+            "eb203f3c773c79baf2839c125bf4764f",
+            "d47b2826886236db5ce8d59bc5b839b7",
+            "eb2c44b7bc317b76b23f97d36db7934c",
+        ],
+    ),
+]
+
+
 def reference_keys(
-    tokens: list[int], fingerprint: bytes, salt: str | bytes, chunk_size: int
+    tokens: list[int],
+    fingerprint: bytes,
+    salt: str | bytes,
+    chunk_size: int,
+    extras: dict[int, bytes] | None = None,
 ) -> list[str]:
     """Independent re-implementation: streaming xxh3_128, one struct.pack per token, intdigest."""
     salt_bytes = salt.encode("utf-8") if isinstance(salt, str) else salt
@@ -67,6 +117,13 @@ def reference_keys(
     prev = seed.intdigest().to_bytes(16, "big")
     out = []
     for start in range(0, len(tokens), chunk_size):
+        if extras and start // chunk_size in extras:
+            h = xxhash.xxh3_128()
+            h.update(prev)
+            h.update(b"lmcache-chunk-extra-v1")
+            h.update(b"\x00")
+            h.update(extras[start // chunk_size])
+            prev = h.intdigest().to_bytes(16, "big")
         h = xxhash.xxh3_128()
         h.update(prev)
         for token in tokens[start : start + chunk_size]:
@@ -84,6 +141,77 @@ def test_published_vectors(
     keys = chunk_keys(tokens, fingerprint, chunk_size, salt=salt)
     assert [key_hex(k) for k in keys] == expected
     assert all(isinstance(k, bytes) and len(k) == KEY_NBYTES for k in keys)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "fingerprint", "salt", "chunk_size", "extras", "expected"), EXTRA_VECTORS
+)
+def test_published_vectors_with_extras(
+    tokens: list[int],
+    fingerprint: bytes,
+    salt: str | bytes,
+    chunk_size: int,
+    extras: dict[int, bytes],
+    expected: list[str],
+) -> None:
+    assert EXTRA_TAG == b"lmcache-chunk-extra-v1\x00"
+    assert reference_keys(tokens, fingerprint, salt, chunk_size, extras) == expected
+    keys = chunk_keys(tokens, fingerprint, chunk_size, salt=salt, extra_keys=extras)
+    assert [key_hex(k) for k in keys] == expected
+    # Without the extras these are different keys (so the extras are really in the chain).
+    plain = chunk_keys(tokens, fingerprint, chunk_size, salt=salt)
+    first = min(extras)
+    assert keys[:first] == plain[:first]
+    assert all(x != y for x, y in zip(keys[first:], plain[first:], strict=True))
+
+
+def test_extras_change_their_chunk_and_every_later_one() -> None:
+    tokens = list(range(100))
+    plain = chunk_keys(tokens, b"fp", 16)
+    assert chunk_keys(tokens, b"fp", 16, extra_keys={}) == plain
+    assert chunk_keys(tokens, b"fp", 16, extra_keys=None) == plain
+    with_a = chunk_keys(tokens, b"fp", 16, extra_keys={3: b"image-a"})
+    with_b = chunk_keys(tokens, b"fp", 16, extra_keys={3: b"image-b"})
+    assert with_a[:3] == plain[:3] == with_b[:3]
+    for later in range(3, len(plain)):
+        assert len({with_a[later], with_b[later], plain[later]}) == 3
+    # Same material on another chunk is another chain; bytearray is its bytes.
+    assert chunk_keys(tokens, b"fp", 16, extra_keys={4: b"image-a"})[3] == plain[3]
+    assert chunk_keys(tokens, b"fp", 16, extra_keys={3: bytearray(b"image-a")}) == with_a
+
+
+def test_extras_match_reference_on_random_inputs() -> None:
+    rng = torch.Generator().manual_seed(3)
+    for n, chunk in [(1, 1), (257, 256), (1000, 64), (700, 7)]:
+        tokens = torch.randint(0, 2**31 - 1, (n,), generator=rng).tolist()
+        num_chunks = len(chunk_ranges(n, chunk))
+        picks = torch.randint(0, num_chunks, (3,), generator=rng).tolist()
+        extras = {i: bytes([i % 256]) * (1 + i % EXTRA_MAX_NBYTES) for i in picks}
+        keys = [key_hex(k) for k in chunk_keys(tokens, b"fp", chunk, salt="s", extra_keys=extras)]
+        assert keys == reference_keys(tokens, b"fp", "s", chunk, extras)
+
+
+def test_bad_extra_keys() -> None:
+    tokens = list(range(10))  # chunk_size 4: chunks 0, 1, 2
+    with pytest.raises(ValueError, match=r"index 3 is not a chunk index.*3 chunk\(s\)"):
+        chunk_keys(tokens, b"fp", 4, extra_keys={3: b"x"})
+    with pytest.raises(ValueError, match="index -1 is not a chunk index"):
+        chunk_keys(tokens, b"fp", 4, extra_keys={-1: b"x"})
+    with pytest.raises(ValueError, match=r"index 0 .* 0 chunk\(s\)"):
+        chunk_keys([], b"fp", 4, extra_keys={0: b"x"})
+    with pytest.raises(TypeError, match="expected an int chunk index"):
+        chunk_keys(tokens, b"fp", 4, extra_keys={"1": b"x"})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="expected an int chunk index"):
+        chunk_keys(tokens, b"fp", 4, extra_keys={True: b"x"})
+    with pytest.raises(TypeError, match=r"extra_keys\[1\] is a str, expected bytes"):
+        chunk_keys(tokens, b"fp", 4, extra_keys={1: "abcd"})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"extra_keys\[1\] has 0 bytes, expected 1 to 64"):
+        chunk_keys(tokens, b"fp", 4, extra_keys={1: b""})
+    with pytest.raises(ValueError, match=r"extra_keys\[2\] has 65 bytes"):
+        chunk_keys(tokens, b"fp", 4, extra_keys={2: bytes(65)})
+    with pytest.raises(TypeError, match="mapping"):
+        chunk_keys(tokens, b"fp", 4, extra_keys=[(1, b"x")])  # type: ignore[arg-type]
+    assert len(chunk_keys(tokens, b"fp", 4, extra_keys={0: b"x", 2: bytes(64)})) == 3
 
 
 def test_reference_agrees_on_random_inputs() -> None:
