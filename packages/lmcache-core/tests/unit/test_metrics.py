@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmcache.metrics import LMCacheMetrics
@@ -87,3 +87,93 @@ def test_explicit_registry() -> None:
 def test_value_rejects_unknown_names() -> None:
     with pytest.raises(KeyError):
         LMCacheMetrics().value("registry")
+
+
+def labelled_samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
+    """Parse a registry's exposition into {(sample name, engine label): value}, buckets left out."""
+    out: dict[tuple[str, str], float] = {}
+    text = generate_latest(registry).decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "le" not in sample.labels:
+                out[(sample.name, sample.labels.get("engine", ""))] = sample.value
+    return out
+
+
+def test_labelled_instances_share_a_registry() -> None:
+    reg = CollectorRegistry()
+    a = LMCacheMetrics(reg, labels={"engine": "a"})
+    b = LMCacheMetrics(reg, labels={"engine": "b"})
+    assert a.registry is b.registry is reg
+    assert a.labels == {"engine": "a"}
+    for i, name in enumerate(COUNTERS, start=1):
+        getattr(a, name).inc(i)
+        getattr(b, name).inc(10 * i)
+    a.store_seconds.observe(0.01)
+    b.store_seconds.observe(0.01)
+    b.store_seconds.observe(0.02)
+    parsed = labelled_samples(reg)
+    for i, name in enumerate(COUNTERS, start=1):
+        assert a.value(name) == i == parsed[(f"lmcache_{name}_total", "a")]
+        assert b.value(name) == 10 * i == parsed[(f"lmcache_{name}_total", "b")]
+        assert reg.get_sample_value(f"lmcache_{name}_total", {"engine": "b"}) == 10 * i
+    assert a.value("store_seconds") == 1 and b.value("store_seconds") == 2
+    assert parsed[("lmcache_store_seconds_count", "b")] == 2
+    assert a.value("retrieve_seconds") == 0
+    assert a.render() == b.render() == generate_latest(reg)
+    # No unlabelled series next to the labelled ones.
+    assert ("lmcache_hit_tokens_total", "") not in parsed
+
+
+def test_label_names_are_sorted_and_every_metric_is_labelled() -> None:
+    m = LMCacheMetrics(labels={"model": "m", "engine": "0"})
+    m.hit_tokens.inc(3)
+    m.retrieve_seconds.observe(0.2)
+    for family in text_string_to_metric_families(m.render().decode()):
+        for sample in family.samples:
+            assert {"engine": "0", "model": "m"}.items() <= sample.labels.items(), sample
+    assert m.registry.get_sample_value("lmcache_hit_tokens_total", m.labels) == 3
+    assert m.value("hit_tokens") == 3 and m.value("retrieve_seconds") == 1
+    assert isinstance(m.hit_tokens, Counter) and isinstance(m.retrieve_seconds, Histogram)
+
+
+def test_shared_registry_conflicts_are_errors() -> None:
+    reg = CollectorRegistry()
+    a = LMCacheMetrics(reg, labels={"engine": "a"})
+    with pytest.raises(ValueError, match="already has an instance with labels"):
+        LMCacheMetrics(reg, labels={"engine": "a"})
+    with pytest.raises(ValueError, match=r"label names \['engine'\], found labels \{'rank'"):
+        LMCacheMetrics(reg, labels={"rank": "0"})
+    with pytest.raises(ValueError, match="label names"):
+        LMCacheMetrics(reg)
+    a.hit_tokens.inc(7)
+    a.unregister()
+    a.unregister()  # idempotent
+    assert reg.get_sample_value("lmcache_hit_tokens_total", {"engine": "a"}) is None
+    again = LMCacheMetrics(reg, labels={"engine": "a"})  # the values are free again
+    assert again.value("hit_tokens") == 0
+
+
+def test_unlabelled_unregister_frees_the_names() -> None:
+    reg = CollectorRegistry()
+    m = LMCacheMetrics(reg)
+    m.hit_tokens.inc(2)
+    m.unregister()
+    assert reg.get_sample_value("lmcache_hit_tokens_total") is None
+    fresh = LMCacheMetrics(reg, labels={"engine": "x"})  # other label names now fine
+    fresh.hit_tokens.inc()
+    assert reg.get_sample_value("lmcache_hit_tokens_total", {"engine": "x"}) == 1
+
+
+def test_foreign_lmcache_metrics_and_bad_labels() -> None:
+    reg = CollectorRegistry()
+    Counter("lmcache_tier_errors", "not ours", registry=reg)
+    with pytest.raises(ValueError, match="did not create"):
+        LMCacheMetrics(reg)
+    assert reg.get_sample_value("lmcache_lookup_requests_total") is None  # rolled back
+    with pytest.raises(ValueError, match="label name 'le'"):
+        LMCacheMetrics(labels={"le": "x"})
+    with pytest.raises(ValueError, match="label name '0bad'"):
+        LMCacheMetrics(labels={"0bad": "x"})
+    with pytest.raises(TypeError, match="expected a str"):
+        LMCacheMetrics(labels={"engine": 0})  # type: ignore[dict-item]
