@@ -1,24 +1,53 @@
 # SPDX-License-Identifier: Apache-2.0
 """Scheduler -> worker cache lookups over Unix-domain sockets.
 
-vLLM asks the *scheduler-side* connector how many prompt tokens the external cache holds, but
-the cache lives with the *workers* (one shard per tensor-parallel rank, possibly in other
-processes). Each worker rank runs a :class:`LookupServer` in a daemon thread; the scheduler's
-:class:`LookupClient` asks every rank and takes the minimum (a token counts only when every
-rank holds its shard).
+vLLM asks the *scheduler-side* connector how many leading prompt tokens the external cache holds,
+but the cache lives with the *workers* (one shard per tensor-parallel rank, possibly in other
+processes). The lifecycle:
 
-Where: ``<tempfile.gettempdir()>/lmcache-vllm-<uid>-<engine digest>/rank<r>.sock``; the folder
-is created ``0700`` and the socket ``0600``, so only this user can connect. The engine digest
-is a short hash of ``kv_transfer_config.engine_id`` (socket paths are limited to ~100 bytes).
+1. Each worker rank starts a :class:`LookupServer` once its KV caches are registered. The server
+   binds ``socket_path(engine_key, rank)`` and answers from a daemon thread, one thread per
+   connection, so one slow or stuck peer never blocks another.
+2. The scheduler's :class:`LookupClient` keeps one persistent connection per rank. A lookup sends
+   the :class:`LookupQuery` to *every* rank at once, then collects the replies until *one* overall
+   deadline (``timeout_s`` from the start of the call). The answer is the minimum over the ranks:
+   a token counts only when every rank holds its shard. The worker leases the hit chunks under
+   ``req_id`` when it answers, so the load that follows finds them.
+3. :meth:`LookupClient.clear` asks every rank to empty its cache (``reset_prefix_cache``).
+4. :meth:`LookupServer.close` stops serving and removes the socket file, but only if the file at
+   the path is still the one it bound (a newer server may have replaced it).
 
-Wire format (little-endian, ``struct``; no pickle):
+Failures are misses, never errors. :meth:`LookupClient.lookup` never raises: a query that cannot
+be encoded (a limit below exceeded, a token id outside ``[0, 2**32)``), a rank whose socket is
+missing (not up yet, or gone), refused, closed, slow past the deadline, answering garbage or
+answering ``-1`` all make the lookup return 0. Each such rank answer is counted in
+:attr:`LookupClient.failures` and logged once per change of that rank's state, not once per call.
+A missing socket is a miss at once (no waiting loop); the next call connects again. A rank that
+misses the deadline has its connection closed, so its late reply can never be read as the answer
+to a later request.
 
-- lookup request: ``u32 salt_len, salt (utf-8), u32 n, n x u32 token ids``;
-  reply: ``i64`` leading tokens present (``-1``: the server failed).
-- clear request: ``u32 0xFFFFFFFF``; reply: ``i64`` 0 (``-1``: the server failed).
+Where: ``<base>/lmcache-vllm-<uid>-<sha256(engine_key)[:16]>/rank<r>.sock``, with ``base``
+defaulting to :func:`tempfile.gettempdir`. The engine key is
+``kv_transfer_config.engine_id + ":" + vllm_config.instance_id``: the scheduler and the workers of
+one engine share it, two engines (in one process or on one host) never do. The folder is ``0700``
+and owned by this user (a server refuses any other folder; a client does not connect through
+one); the socket is ``0600``. The digest keeps the path under the ~108-byte ``AF_UNIX`` limit.
 
-A rank that cannot be reached, answers garbage or is slower than the (short) timeout counts as
-0 hit tokens: a lookup failure is a cache miss, never a failed request.
+Wire format (little-endian :mod:`struct`; no pickle). A request starts with ``u8 op``:
+
+- ``op = 1`` lookup::
+
+      u16 id_len,   id_len bytes    request id (utf-8, <= MAX_ID_BYTES)
+      u16 salt_len, salt_len bytes  cache salt (utf-8, <= MAX_SALT_BYTES)
+      u16 n_extra,                  extra key material (<= MAX_EXTRA_KEYS entries)
+          n_extra x (u32 chunk index, u8 len, len bytes)   1 <= len <= MAX_EXTRA_KEY_BYTES
+      u32 n_tokens, n_tokens x u32  prompt token ids (<= MAX_TOKENS)
+
+- ``op = 2`` clear: no body.
+
+The reply to either is one ``i64``: the leading tokens present (0 for a clear), or ``-1`` when the
+server failed (the callback raised or returned a value outside ``[0, n_tokens]``). A request that
+breaks the format or a limit makes the server close that connection, with one warning.
 """
 
 from __future__ import annotations
@@ -26,22 +55,30 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import operator
 import os
+import selectors
 import socket
 import stat
 import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
-    "CLEAR_MARKER",
-    "LookupClient",
-    "LookupServer",
+    "MAX_EXTRA_KEYS",
+    "MAX_EXTRA_KEY_BYTES",
+    "MAX_ID_BYTES",
     "MAX_SALT_BYTES",
     "MAX_TOKENS",
+    "OP_CLEAR",
+    "OP_LOOKUP",
+    "LookupClient",
+    "LookupQuery",
+    "LookupServer",
     "decode_request",
     "encode_clear",
     "encode_lookup",
@@ -51,131 +88,351 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CLEAR_MARKER = 0xFFFFFFFF
-"""``salt_len`` value that marks a clear request."""
-MAX_SALT_BYTES = 1 << 12
-"""Largest accepted salt (bytes); longer requests are rejected."""
+OP_LOOKUP = 1
+"""Request op byte of a lookup."""
+OP_CLEAR = 2
+"""Request op byte of a clear."""
+MAX_ID_BYTES = 256
+"""Largest request id (utf-8 bytes)."""
+MAX_SALT_BYTES = 256
+"""Largest cache salt (utf-8 bytes); the adapter hashes longer salts before building a query."""
+MAX_EXTRA_KEYS = 4096
+"""Most extra-key entries (chunk index -> bytes) in one lookup."""
+MAX_EXTRA_KEY_BYTES = 64
+"""Largest extra-key value (bytes); values are at least 1 byte."""
 MAX_TOKENS = 1 << 22
-"""Largest accepted token count per lookup; longer requests are rejected."""
+"""Most token ids in one lookup."""
 
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _I64 = struct.Struct("<q")
+_EXTRA_HEAD = struct.Struct("<IB")
+_TOKEN_LIMIT = 1 << 32
+_SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
+_BODY_TIMEOUT_S = 10.0
+"""Server side: once a request's first byte arrived, the rest must follow within this time."""
+_LOG_EVERY_S = 60.0
+"""Repeated errors of one kind that have no per-rank state are logged at most this often."""
 
 
-def socket_dir(engine_id: str, *, base: str | os.PathLike[str] | None = None) -> Path:
-    """The per-engine folder holding the rank sockets (not created here)."""
-    digest = hashlib.sha256(engine_id.encode()).hexdigest()[:16]
+@dataclass(frozen=True)
+class LookupQuery:
+    """One scheduler -> worker lookup.
+
+    Attributes:
+        req_id: vLLM request id; the worker leases the hit chunks under it. Any string; more than
+            :data:`MAX_ID_BYTES` utf-8 bytes is an error at encode.
+        tokens: Prompt token ids, each in ``[0, 2**32)``; at most :data:`MAX_TOKENS`.
+        salt: Already-derived key salt (the adapter hashes long cache salts); at most
+            :data:`MAX_SALT_BYTES` utf-8 bytes.
+        extra_keys: Chunk index -> extra key material of that chunk (1 to
+            :data:`MAX_EXTRA_KEY_BYTES` bytes); at most :data:`MAX_EXTRA_KEYS` entries.
+    """
+
+    req_id: str
+    tokens: Sequence[int]
+    salt: str = ""
+    extra_keys: Mapping[int, bytes] = field(default_factory=dict)
+
+
+def socket_dir(engine_key: str, *, base: str | os.PathLike[str] | None = None) -> Path:
+    """The per-engine folder holding the rank sockets (not created here).
+
+    Args:
+        engine_key: ``engine_id + ":" + instance_id`` of the vLLM engine.
+        base: Folder to put it in (default :func:`tempfile.gettempdir`).
+
+    Returns:
+        ``<base>/lmcache-vllm-<uid>-<sha256(engine_key)[:16]>``.
+    """
+    digest = hashlib.sha256(engine_key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
     root = Path(base) if base is not None else Path(tempfile.gettempdir())
     return root / f"lmcache-vllm-{os.getuid()}-{digest}"
 
 
-def socket_path(engine_id: str, rank: int, *, base: str | os.PathLike[str] | None = None) -> Path:
-    """Socket of ``rank``'s lookup server for ``engine_id``."""
-    return socket_dir(engine_id, base=base) / f"rank{rank}.sock"
+def socket_path(engine_key: str, rank: int, *, base: str | os.PathLike[str] | None = None) -> Path:
+    """Socket of ``rank``'s lookup server for ``engine_key`` (see :func:`socket_dir`)."""
+    return socket_dir(engine_key, base=base) / f"rank{rank}.sock"
 
 
-def encode_lookup(tokens: Sequence[int], salt: str = "") -> bytes:
-    """Frame a lookup request (see the module docstring)."""
-    salt_b = salt.encode("utf-8")
-    if len(salt_b) > MAX_SALT_BYTES:
-        raise ValueError(f"cache salt is {len(salt_b)} bytes; at most {MAX_SALT_BYTES} allowed")
-    if len(tokens) > MAX_TOKENS:
-        raise ValueError(f"{len(tokens)} tokens in one lookup; at most {MAX_TOKENS} allowed")
-    return b"".join(
-        (
-            _U32.pack(len(salt_b)),
-            salt_b,
-            _U32.pack(len(tokens)),
-            struct.pack(f"<{len(tokens)}I", *tokens),
+def _utf8(text: str, limit: int, what: str) -> bytes:
+    if not isinstance(text, str):
+        raise ValueError(f"lookup {what}: expected a str, found {type(text).__name__}")
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"lookup {what} is not encodable as utf-8 ({exc.reason} at {exc.start})"
+        ) from None
+    if len(data) > limit:
+        raise ValueError(
+            f"lookup {what} is {len(data)} utf-8 bytes; expected at most {limit} "
+            f"(hash longer values before building the LookupQuery)"
         )
-    )
+    return data
+
+
+def _bad_token(tokens: Sequence[int]) -> str:
+    for i, token in enumerate(tokens):
+        try:
+            value = operator.index(token)
+        except TypeError:
+            return f"token {i} is a {type(token).__name__}, expected an int"
+        if not 0 <= value < _TOKEN_LIMIT:
+            return f"token {i} is {value}, expected a value in [0, 2**32)"
+    return "a token is not a u32"
+
+
+def encode_lookup(query: LookupQuery) -> bytes:
+    """Frame a lookup request (format in the module docstring).
+
+    Raises:
+        ValueError: A field beyond its limit, a token id outside ``[0, 2**32)``, an extra key
+            that is not 1 to :data:`MAX_EXTRA_KEY_BYTES` bytes or whose chunk index is not a u32.
+    """
+    req_id = _utf8(query.req_id, MAX_ID_BYTES, "request id")
+    salt = _utf8(query.salt, MAX_SALT_BYTES, "salt")
+    tokens = query.tokens
+    n = len(tokens)
+    if n > MAX_TOKENS:
+        raise ValueError(
+            f"lookup has {n} tokens; expected at most {MAX_TOKENS} (MAX_TOKENS); "
+            "longer prompts cannot be looked up"
+        )
+    extra = query.extra_keys
+    if len(extra) > MAX_EXTRA_KEYS:
+        raise ValueError(
+            f"lookup has {len(extra)} extra keys; expected at most {MAX_EXTRA_KEYS} (MAX_EXTRA_KEYS)"
+        )
+    parts = [_U8.pack(OP_LOOKUP), _U16.pack(len(req_id)), req_id, _U16.pack(len(salt)), salt]
+    parts.append(_U16.pack(len(extra)))
+    for index, value in extra.items():
+        if not isinstance(value, bytes | bytearray | memoryview):
+            raise ValueError(
+                f"extra key of chunk {index!r} is a {type(value).__name__}; expected bytes"
+            )
+        data = bytes(value)
+        if not 1 <= len(data) <= MAX_EXTRA_KEY_BYTES:
+            raise ValueError(
+                f"extra key of chunk {index!r} is {len(data)} bytes; expected 1 to "
+                f"{MAX_EXTRA_KEY_BYTES} (hash longer material first)"
+            )
+        try:
+            parts.append(_EXTRA_HEAD.pack(index, len(data)))
+        except struct.error:
+            raise ValueError(
+                f"extra key chunk index {index!r}: expected an int in [0, 2**32)"
+            ) from None
+        parts.append(data)
+    parts.append(_U32.pack(n))
+    try:
+        parts.append(struct.pack(f"<{n}I", *tokens))
+    except struct.error:
+        raise ValueError(f"lookup tokens: {_bad_token(tokens)}") from None
+    return b"".join(parts)
 
 
 def encode_clear() -> bytes:
     """Frame a clear request."""
-    return _U32.pack(CLEAR_MARKER)
+    return _U8.pack(OP_CLEAR)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        part = sock.recv(n - len(buf))
-        if not part:
-            raise ConnectionError(f"peer closed after {len(buf)} of {n} bytes")
-        buf += part
-    return bytes(buf)
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError(f"peer closed after {got} of {n} bytes")
+        got += k
+    return buf
 
 
-def decode_request(sock: socket.socket) -> tuple[str, list[int]] | None:
-    """Read one request from ``sock``.
+def _recv_str(sock: socket.socket, limit: int, what: str) -> str:
+    (size,) = _U16.unpack(_recv_exact(sock, 2))
+    if size > limit:
+        raise ValueError(f"{what} length {size} exceeds the limit {limit}")
+    try:
+        return _recv_exact(sock, size).decode("utf-8") if size else ""
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} is not utf-8 ({exc.reason} at byte {exc.start})") from None
 
-    Returns:
-        ``(salt, tokens)`` for a lookup, ``None`` for a clear.
 
-    Raises:
-        ConnectionError: the peer closed mid-request.
-        ValueError: a length beyond the limits or a salt that is not utf-8.
-    """
-    (salt_len,) = _U32.unpack(_recv_exact(sock, 4))
-    if salt_len == CLEAR_MARKER:
+def _decode_body(sock: socket.socket, op: int) -> LookupQuery | None:
+    if op == OP_CLEAR:
         return None
-    if salt_len > MAX_SALT_BYTES:
-        raise ValueError(f"salt length {salt_len} exceeds {MAX_SALT_BYTES}")
-    salt = _recv_exact(sock, salt_len).decode("utf-8") if salt_len else ""
+    if op != OP_LOOKUP:
+        raise ValueError(f"unknown op {op}; expected {OP_LOOKUP} (lookup) or {OP_CLEAR} (clear)")
+    req_id = _recv_str(sock, MAX_ID_BYTES, "request id")
+    salt = _recv_str(sock, MAX_SALT_BYTES, "salt")
+    (n_extra,) = _U16.unpack(_recv_exact(sock, 2))
+    if n_extra > MAX_EXTRA_KEYS:
+        raise ValueError(f"{n_extra} extra keys exceed the limit {MAX_EXTRA_KEYS}")
+    extra: dict[int, bytes] = {}
+    for _ in range(n_extra):
+        index, size = _EXTRA_HEAD.unpack(_recv_exact(sock, _EXTRA_HEAD.size))
+        if not 1 <= size <= MAX_EXTRA_KEY_BYTES:
+            raise ValueError(
+                f"extra key of chunk {index} is {size} bytes; expected 1 to {MAX_EXTRA_KEY_BYTES}"
+            )
+        if index in extra:
+            raise ValueError(f"chunk index {index} appears twice among the extra keys")
+        extra[index] = bytes(_recv_exact(sock, size))
     (n,) = _U32.unpack(_recv_exact(sock, 4))
     if n > MAX_TOKENS:
-        raise ValueError(f"token count {n} exceeds {MAX_TOKENS}")
+        raise ValueError(f"token count {n} exceeds the limit {MAX_TOKENS}")
     tokens = list(struct.unpack(f"<{n}I", _recv_exact(sock, 4 * n))) if n else []
-    return salt, tokens
+    return LookupQuery(req_id=req_id, tokens=tokens, salt=salt, extra_keys=extra)
+
+
+def decode_request(sock: socket.socket) -> LookupQuery | None:
+    """Read one request from ``sock`` (blocking, under the socket's own timeout).
+
+    Returns:
+        The :class:`LookupQuery` of a lookup, ``None`` for a clear.
+
+    Raises:
+        ConnectionError: The peer closed before the request was complete.
+        ValueError: An unknown op, a length beyond its limit, text that is not utf-8 or a chunk
+            index repeated among the extra keys.
+    """
+    return _decode_body(sock, _recv_exact(sock, 1)[0])
+
+
+class _Throttle:
+    """Lets a repeated log line through at most once per ``every_s``; counts what it held back."""
+
+    def __init__(self, every_s: float = _LOG_EVERY_S) -> None:
+        self._every_s = every_s
+        self._next = 0.0
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def ready(self) -> int | None:
+        """Lines held back since the last one let through, or ``None`` to hold this one."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next:
+                self._held += 1
+                return None
+            self._next = now + self._every_s
+            held, self._held = self._held, 0
+            return held
+
+
+def _unsafe_folder(folder: Path) -> str | None:
+    """Why a client must not connect through ``folder``; ``None`` when it is private or absent."""
+    try:
+        info = folder.lstat()
+    except FileNotFoundError:
+        return None  # the connect reports the missing socket
+    except OSError as exc:
+        return f"cannot stat it ({exc.strerror})"
+    if not stat.S_ISDIR(info.st_mode):
+        return "it is not a directory"
+    if info.st_uid != os.getuid():
+        return f"it is owned by uid {info.st_uid}, expected {os.getuid()}"
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        return f"its mode is {stat.S_IMODE(info.st_mode):04o}, expected 0700"
+    return None
 
 
 class LookupServer:
-    """Answers lookups for one worker rank from a daemon thread.
+    """Answers lookups for one worker rank from daemon threads.
 
     Args:
-        engine_id: ``kv_transfer_config.engine_id`` (names the socket folder).
+        engine_key: ``engine_id + ":" + instance_id`` (names the socket folder).
         rank: This worker's tensor-parallel rank.
-        lookup: ``(tokens, salt) -> leading tokens present``.
+        lookup: Leading tokens present for a query; the worker leases them under
+            ``query.req_id``. An exception (or a value outside ``[0, len(tokens)]``) answers -1.
         clear: Empties this rank's cache.
-        base: Folder to put the socket folder in (default ``tempfile.gettempdir()``).
+        base: Folder to put the socket folder in (default :func:`tempfile.gettempdir`).
+
+    Attributes:
+        path: The socket this server bound.
+
+    Raises:
+        PermissionError: The socket folder exists but is not a directory owned by this user.
+        ValueError: The socket path is too long for ``AF_UNIX``.
     """
 
     def __init__(
         self,
-        engine_id: str,
+        engine_key: str,
         rank: int,
-        lookup: Callable[[list[int], str], int],
+        lookup: Callable[[LookupQuery], int],
         clear: Callable[[], None],
         *,
         base: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.path = socket_path(engine_id, rank, base=base)
+        self.path = socket_path(engine_key, rank, base=base)
         self._lookup = lookup
         self._clear = clear
         self._closed = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        self._failed_log = _Throttle()
+        if len(os.fsencode(self.path)) > _SUN_PATH_MAX:
+            raise ValueError(
+                f"lookup socket path {self.path} is {len(os.fsencode(self.path))} bytes; "
+                f"AF_UNIX allows at most {_SUN_PATH_MAX}: set TMPDIR (or base) to a shorter folder"
+            )
         folder = self.path.parent
-        folder.mkdir(mode=0o700, exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # not a directory: reported just below
+            folder.mkdir(mode=0o700, exist_ok=True)
         info = folder.lstat()
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
             raise PermissionError(
-                f"lookup socket folder {folder} is not a directory owned by uid {os.getuid()}; "
-                "remove it or set TMPDIR to a private folder"
+                f"lookup socket folder {folder}: expected a directory owned by uid {os.getuid()}, "
+                f"found {'a directory' if stat.S_ISDIR(info.st_mode) else 'a non-directory'} "
+                f"owned by uid {info.st_uid}; remove it or set TMPDIR to a private folder"
             )
         os.chmod(folder, 0o700)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        self._replace_stale(rank)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)
         try:
-            self._sock.bind(str(self.path))
-        finally:
-            os.umask(old_umask)
-        os.chmod(self.path, 0o600)
-        self._sock.listen(16)
+            self._sock.bind(str(self.path))  # the 0700 folder guards it until the chmod
+            os.chmod(self.path, 0o600)
+            bound = os.lstat(self.path)
+            self._identity = (bound.st_dev, bound.st_ino)
+            self._sock.listen(64)
+        except BaseException:
+            self._sock.close()
+            raise
         self._thread = threading.Thread(
             target=self._serve, name=f"lmcache-lookup-rank{rank}", daemon=True
         )
         self._thread.start()
+
+    def _replace_stale(self, rank: int) -> None:
+        try:
+            info = self.path.lstat()
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(info.st_mode):
+            raise FileExistsError(
+                f"lookup socket path {self.path} exists and is not a socket; expected nothing "
+                "or a stale socket there: remove it"
+            )
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.setblocking(False)
+        try:
+            probe.connect(str(self.path))
+        except OSError:
+            pass  # stale: nobody listens
+        else:
+            logger.warning(
+                "lmcache lookup server rank %d: a live server already listens at %s (same "
+                "engine key and rank); replacing its socket with this one",
+                rank,
+                self.path,
+            )
+        finally:
+            probe.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
 
     def _serve(self) -> None:
         while not self._closed.is_set():
@@ -183,135 +440,349 @@ class LookupServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            with self._conns_lock:
+                if self._closed.is_set():
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(
+                target=self._handle, args=(conn,), name="lmcache-lookup-conn", daemon=True
+            ).start()
 
     def _handle(self, conn: socket.socket) -> None:
-        with conn:
+        try:
             while not self._closed.is_set():
-                try:
-                    request = decode_request(conn)
-                except (ConnectionError, OSError):
+                conn.settimeout(None)  # an idle persistent connection may wait for ever
+                first = conn.recv(1)
+                if not first:
                     return
+                conn.settimeout(_BODY_TIMEOUT_S)
+                try:
+                    request = _decode_body(conn, first[0])
                 except ValueError as exc:
-                    logger.warning("lmcache lookup server: bad request (%s); closing", exc)
+                    logger.warning(
+                        "lmcache lookup server %s: malformed request (%s); closing that "
+                        "connection (expected the framing of lmcache_vllm.lookup)",
+                        self.path,
+                        exc,
+                    )
                     return
-                try:
-                    if request is None:
-                        self._clear()
-                        answer = 0
-                    else:
-                        answer = int(self._lookup(request[1], request[0]))
-                except Exception:
-                    logger.exception("lmcache lookup server: lookup failed; answering -1")
-                    answer = -1
-                try:
-                    conn.sendall(_I64.pack(answer))
-                except OSError:
+                except TimeoutError:
+                    logger.warning(
+                        "lmcache lookup server %s: a request stalled for %.0f s mid-way; "
+                        "closing that connection",
+                        self.path,
+                        _BODY_TIMEOUT_S,
+                    )
                     return
+                except ConnectionError as exc:
+                    logger.debug("lmcache lookup server %s: truncated request (%s)", self.path, exc)
+                    return
+                conn.sendall(_I64.pack(self._answer(request)))
+        except OSError:
+            return
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _answer(self, request: LookupQuery | None) -> int:
+        try:
+            if request is None:
+                self._clear()
+                return 0
+            answer = operator.index(self._lookup(request))
+            if not 0 <= answer <= len(request.tokens):
+                raise ValueError(
+                    f"lookup callback returned {answer} for {len(request.tokens)} tokens; "
+                    "expected a value in [0, n_tokens]"
+                )
+            return answer
+        except Exception:
+            held = self._failed_log.ready()
+            if held is not None:
+                logger.exception(
+                    "lmcache lookup server %s: %s failed; answering -1 (a miss)%s",
+                    self.path,
+                    "clear" if request is None else "lookup",
+                    f" ({held} more since the last report)" if held else "",
+                )
+            return -1
 
     def close(self) -> None:
-        """Stop serving and remove the socket file (idempotent)."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
+        """Stop serving; remove the socket file if it is still the one this server bound.
+
+        Idempotent. The folder is removed only when no other socket is left in it.
+        """
+        with self._conns_lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            conns = list(self._conns)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        for conn in conns:  # wake handlers blocked in recv; clients see EOF at once
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=1.0)
+        try:
+            info = os.lstat(self.path)
+        except FileNotFoundError:
+            info = None
+        if info is not None and (info.st_dev, info.st_ino) == self._identity:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
         with contextlib.suppress(OSError):
-            self.path.parent.rmdir()  # only when no other rank's socket remains
+            self.path.parent.rmdir()  # fails while another socket remains: left in place
+
+
+class _Rank:
+    """Client-side view of one rank: its socket, connection and last reported state."""
+
+    __slots__ = ("conn", "path", "rank", "state")
+
+    def __init__(self, rank: int, path: Path) -> None:
+        self.rank = rank
+        self.path = path
+        self.conn: socket.socket | None = None
+        self.state = "unknown"
+
+    def drop(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.close()
+
+
+class _Exchange:
+    """One request in flight to one rank."""
+
+    __slots__ = ("conn", "out", "rank", "reply", "sent")
+
+    def __init__(self, rank: _Rank, conn: socket.socket, payload: bytes) -> None:
+        self.rank = rank
+        self.conn = conn
+        self.out = memoryview(payload)
+        self.sent = 0
+        self.reply = bytearray()
 
 
 class LookupClient:
-    """Asks every rank's :class:`LookupServer` and combines the answers.
+    """Asks every rank's :class:`LookupServer` in parallel and combines the answers.
+
+    Not for concurrent use from many threads (calls are serialized by a lock).
 
     Args:
-        engine_id: ``kv_transfer_config.engine_id``.
+        engine_key: ``engine_id + ":" + instance_id``, as given to the servers.
         world_size: Number of ranks (tensor-parallel size) to ask.
-        timeout_s: Per-rank socket timeout of one request.
-        first_wait_s: At first use, how long to wait for the sockets to appear.
+        timeout_s: Deadline of one whole call (every rank together), from its start.
         base: As for :class:`LookupServer`.
+
+    Attributes:
+        paths: The ranks' socket paths.
+        timeout_s: As given.
+        failures: Rank answers that became misses (unreachable, late, garbage or -1), plus
+            queries that could not be encoded, since construction.
     """
 
     def __init__(
         self,
-        engine_id: str,
+        engine_key: str,
         world_size: int,
         *,
-        timeout_s: float = 2.0,
-        first_wait_s: float = 10.0,
+        timeout_s: float = 1.0,
         base: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.paths = [socket_path(engine_id, r, base=base) for r in range(world_size)]
+        if world_size < 1:
+            raise ValueError(f"LookupClient world_size is {world_size}; expected at least 1")
+        if not timeout_s > 0:
+            raise ValueError(f"LookupClient timeout_s is {timeout_s}; expected a positive value")
+        self.paths = [socket_path(engine_key, r, base=base) for r in range(world_size)]
         self.timeout_s = timeout_s
-        self._first_wait_s = first_wait_s
-        self._conns: list[socket.socket | None] = [None] * world_size
+        self.failures = 0
+        self._ranks = [_Rank(r, p) for r, p in enumerate(self.paths)]
         self._lock = threading.Lock()
+        self._closed = False
+        self._bad_query_log = _Throttle()
 
-    def _conn(self, rank: int) -> socket.socket:
-        conn = self._conns[rank]
-        if conn is not None:
-            return conn
-        path = self.paths[rank]
-        deadline = time.monotonic() + self._first_wait_s
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.timeout_s)
-            try:
-                sock.connect(str(path))
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                sock.close()
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.05)
-            except OSError:
-                sock.close()
-                raise
-        self._first_wait_s = 0.0  # waited once; later failures are immediate misses
-        self._conns[rank] = sock
-        return sock
+    def lookup(self, query: LookupQuery) -> int:
+        """Leading tokens every rank holds; 0 on any failure. Never raises.
 
-    def _ask(self, rank: int, payload: bytes) -> int:
+        Args:
+            query: The request; every rank leases its hit chunks under ``query.req_id``.
+
+        Returns:
+            The minimum over the ranks of their hit tokens, or 0 when the query cannot be encoded
+            or any rank misses the deadline, is unreachable or answers garbage or -1.
+        """
+        deadline = time.monotonic() + self.timeout_s
         try:
-            conn = self._conn(rank)
-            conn.sendall(payload)
-            (answer,) = _I64.unpack(_recv_exact(conn, 8))
-            return int(answer)
-        except (OSError, ConnectionError, struct.error) as exc:
-            logger.warning(
-                "lmcache lookup: rank %d at %s unreachable (%s); counting a miss",
-                rank,
-                self.paths[rank],
-                exc,
-            )
-            self._drop(rank)
-            return -1
-
-    def _drop(self, rank: int) -> None:
-        conn = self._conns[rank]
-        self._conns[rank] = None
-        if conn is not None:
-            conn.close()
-
-    def lookup(self, tokens: Sequence[int], salt: str = "") -> int:
-        """Leading tokens every rank holds; 0 when any rank fails or does not answer."""
-        payload = encode_lookup(tokens, salt)
-        with self._lock:
-            hits = [self._ask(rank, payload) for rank in range(len(self.paths))]
-        if not hits or min(hits) < 0:
+            payload = encode_lookup(query)
+            limit = len(query.tokens)
+        except Exception as exc:
+            self._bad_query(query, exc)
             return 0
-        return min(hits)
+        try:
+            with self._lock:
+                if self._closed:
+                    return 0
+                answers = self._exchange(payload, deadline, limit)
+        except Exception:  # a bug here must still not reach vLLM's scheduler
+            logger.exception("lmcache lookup: unexpected error; counting a miss")
+            self.failures += 1
+            return 0
+        if any(a is None for a in answers):
+            return 0
+        return min(a for a in answers if a is not None)
 
     def clear(self) -> bool:
-        """Ask every rank to empty its cache; True when all answered."""
-        with self._lock:
-            answers = [self._ask(rank, encode_clear()) for rank in range(len(self.paths))]
-        return all(a >= 0 for a in answers)
+        """Ask every rank to empty its cache, under the same deadline as a lookup.
+
+        Returns:
+            True when every rank answered OK in time (a late rank may still clear).
+        """
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            with self._lock:
+                if self._closed:
+                    return False
+                answers = self._exchange(encode_clear(), deadline, 0)
+        except Exception:
+            logger.exception("lmcache lookup: unexpected error in clear")
+            return False
+        return all(a is not None for a in answers)
 
     def close(self) -> None:
-        """Close the connections (idempotent)."""
+        """Close the connections (idempotent); later calls miss."""
         with self._lock:
-            for rank in range(len(self._conns)):
-                self._drop(rank)
+            self._closed = True
+            for rank in self._ranks:
+                rank.drop()
+
+    def _bad_query(self, query: object, exc: Exception) -> None:
+        self.failures += 1
+        held = self._bad_query_log.ready()
+        if held is None:
+            return
+        req_id = getattr(query, "req_id", None)
+        logger.warning(
+            "lmcache lookup: cannot encode the query of request %.80r (%s); counting 0 hit "
+            "tokens%s",
+            req_id,
+            exc,
+            f" ({held} more such queries since the last report)" if held else "",
+        )
+
+    def _note(self, rank: _Rank, state: str, detail: str = "") -> None:
+        """Record ``rank``'s outcome; log only when its state changes."""
+        if state != "ok":
+            self.failures += 1
+        if state == rank.state:
+            return
+        previous, rank.state = rank.state, state
+        if state == "ok":
+            if previous != "unknown":
+                logger.info("lmcache lookup: rank %d (%s) answers again", rank.rank, rank.path)
+            return
+        level = logging.INFO if previous == "unknown" and state == "no socket" else logging.WARNING
+        logger.log(
+            level,
+            "lmcache lookup: rank %d (%s): %s%s; counting 0 hit tokens until it answers "
+            "(logged once per change; is the worker of this engine key running?)",
+            rank.rank,
+            rank.path,
+            state,
+            f" ({detail})" if detail else "",
+        )
+
+    def _connection(self, rank: _Rank) -> socket.socket | None:
+        """A connected, idle, non-blocking socket to ``rank``, or ``None`` (noted as a miss)."""
+        conn = rank.conn
+        if conn is not None:
+            try:
+                conn.recv(1, socket.MSG_PEEK)  # idle: nothing to read, not closed
+            except BlockingIOError:
+                return conn
+            except OSError:
+                pass
+            rank.drop()  # closed by the server, or bytes nobody asked for: start afresh
+        problem = _unsafe_folder(rank.path.parent)
+        if problem is not None:
+            self._note(rank, "unsafe folder", f"{rank.path.parent}: {problem}; not connecting")
+            return None
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.setblocking(False)
+        try:
+            conn.connect(str(rank.path))
+        except FileNotFoundError:
+            state, detail = "no socket", ""
+        except ConnectionRefusedError:
+            state, detail = "refused", "stale socket: nobody listens"
+        except BlockingIOError:
+            state, detail = "busy", "listen backlog full"
+        except OSError as exc:
+            state, detail = "connect failed", exc.strerror or type(exc).__name__
+        else:
+            rank.conn = conn
+            return conn
+        conn.close()
+        self._note(rank, state, detail)
+        return None
+
+    def _exchange(self, payload: bytes, deadline: float, limit: int) -> list[int | None]:
+        """Send ``payload`` to every rank, collect ``i64`` replies until ``deadline``.
+
+        Returns:
+            Per rank, its answer in ``[0, limit]``, or ``None`` for a miss.
+        """
+        answers: list[int | None] = [None] * len(self._ranks)
+        with selectors.DefaultSelector() as sel:
+            for rank in self._ranks:
+                conn = self._connection(rank)
+                if conn is not None:
+                    sel.register(conn, selectors.EVENT_WRITE, _Exchange(rank, conn, payload))
+            while sel.get_map():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                for key, events in sel.select(remaining):
+                    ex: _Exchange = key.data
+                    conn = ex.conn
+                    try:
+                        if events & selectors.EVENT_WRITE:
+                            ex.sent += conn.send(ex.out[ex.sent :])
+                            if ex.sent == len(ex.out):
+                                sel.modify(conn, selectors.EVENT_READ, ex)
+                            continue
+                        part = conn.recv(_I64.size - len(ex.reply))
+                    except BlockingIOError:
+                        continue
+                    except OSError as exc:
+                        sel.unregister(conn)
+                        ex.rank.drop()
+                        self._note(ex.rank, "connection lost", exc.strerror or str(exc))
+                        continue
+                    if not part:
+                        sel.unregister(conn)
+                        ex.rank.drop()
+                        self._note(ex.rank, "connection lost", "closed by the server")
+                        continue
+                    ex.reply += part
+                    if len(ex.reply) < _I64.size:
+                        continue
+                    sel.unregister(conn)
+                    (value,) = _I64.unpack(ex.reply)
+                    if 0 <= value <= limit:
+                        answers[ex.rank.rank] = value
+                        self._note(ex.rank, "ok")
+                    elif value == -1:
+                        self._note(ex.rank, "server error", "the worker's lookup failed")
+                    else:
+                        ex.rank.drop()
+                        self._note(ex.rank, "bad reply", f"{value} for {limit} tokens")
+            for key in list(sel.get_map().values()):
+                ex = key.data
+                sel.unregister(key.fileobj)
+                ex.rank.drop()  # a late reply must never answer the next request
+                self._note(ex.rank, "timeout", f"no answer within {self.timeout_s:g} s of the call")
+        return answers

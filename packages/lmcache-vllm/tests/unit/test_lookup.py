@@ -1,36 +1,49 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Lookup protocol: real Unix sockets, permissions, min over ranks, failures are misses."""
+"""Lookup protocol over real Unix sockets: framing, parallel ranks under one deadline,
+failures are misses (never exceptions), socket ownership and permissions."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import stat
 import struct
+import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
+from lmcache_vllm import lookup as lookup_mod
 from lmcache_vllm.lookup import (
+    MAX_EXTRA_KEYS,
+    MAX_ID_BYTES,
     MAX_SALT_BYTES,
+    MAX_TOKENS,
     LookupClient,
+    LookupQuery,
     LookupServer,
     decode_request,
     encode_clear,
     encode_lookup,
+    socket_dir,
     socket_path,
 )
 
+LOGGER = "lmcache_vllm.lookup"
 
-def prefix_lookup(stored: list[int]):
-    """A fake cache holding ``stored``: hit = common prefix length, rounded to 4 tokens."""
 
-    def lookup(tokens: list[int], salt: str) -> int:
-        if salt == "other-tenant":
+def prefix_lookup(stored: list[int]) -> Callable[[LookupQuery], int]:
+    """A fake cache holding ``stored``: hit = common prefix length, rounded down to 4 tokens."""
+
+    def lookup(query: LookupQuery) -> int:
+        if query.salt == "other-tenant":
             return 0
         n = 0
-        for a, b in zip(tokens, stored, strict=False):
+        for a, b in zip(query.tokens, stored, strict=False):
             if a != b:
                 break
             n += 1
@@ -39,142 +52,424 @@ def prefix_lookup(stored: list[int]):
     return lookup
 
 
+def q(tokens: list[int], salt: str = "", req_id: str = "req-1") -> LookupQuery:
+    return LookupQuery(req_id=req_id, tokens=tokens, salt=salt)
+
+
+def closed_without_reply(raw: socket.socket) -> bool:
+    """The server closed ``raw`` without answering (a reset when it left bytes unread)."""
+    try:
+        return raw.recv(8) == b""
+    except ConnectionResetError:
+        return True
+
+
+class Harness:
+    """Starts servers and clients under one folder and closes them all at the end."""
+
+    def __init__(self, base: os.PathLike[str]) -> None:
+        self.base = base
+        self.closers: list[Callable[[], None]] = []
+
+    def server(
+        self,
+        key: str,
+        rank: int,
+        lookup: Callable[[LookupQuery], int],
+        clear: Callable[[], None] = lambda: None,
+    ) -> LookupServer:
+        server = LookupServer(key, rank, lookup, clear, base=self.base)
+        self.closers.append(server.close)
+        return server
+
+    def client(self, key: str, world_size: int, timeout_s: float = 1.0) -> LookupClient:
+        client = LookupClient(key, world_size, timeout_s=timeout_s, base=self.base)
+        self.closers.append(client.close)
+        return client
+
+
 @pytest.fixture
-def base(tmp_path):
-    return tmp_path
+def base() -> Iterator[Path]:
+    """A private folder of our own: pytest's ``tmp_path`` root is pruned by any concurrent pytest
+    run on the host (it keeps the 3 newest), which would pull the sockets from under a test."""
+    with tempfile.TemporaryDirectory(prefix="lmc-lookup-") as folder:
+        yield Path(folder)
+
+
+@pytest.fixture
+def h(base: Path) -> Iterator[Harness]:
+    harness = Harness(base)
+    yield harness
+    for close in reversed(harness.closers):
+        close()
+
+
+# --- framing -------------------------------------------------------------------------------
 
 
 def test_encode_decode_round_trip():
+    query = LookupQuery(
+        req_id="cmpl-é-7",
+        tokens=[0, 1, 2**32 - 1, 7],
+        salt="tenant-é",
+        extra_keys={0: b"\x00", 3: b"m" * 64, 2**32 - 1: b"img-hash"},
+    )
     a, b = socket.socketpair()
     with a, b:
-        a.sendall(encode_lookup([0, 1, 2**32 - 1, 7], "tenant-é"))
-        assert decode_request(b) == ("tenant-é", [0, 1, 2**32 - 1, 7])
-        a.sendall(encode_clear())
+        a.sendall(encode_lookup(query) + encode_clear() + encode_lookup(q([])))
+        got = decode_request(b)
+        assert got is not None
+        assert (got.req_id, list(got.tokens), got.salt) == (query.req_id, query.tokens, query.salt)
+        assert dict(got.extra_keys) == query.extra_keys
         assert decode_request(b) is None
-        a.sendall(encode_lookup([], ""))
-        assert decode_request(b) == ("", [])
+        empty = decode_request(b)
+        assert empty is not None and list(empty.tokens) == [] and empty.salt == ""
 
 
 def test_wire_format_is_little_endian_struct():
-    data = encode_lookup([1, 258], "ab")
-    assert data == struct.pack("<I", 2) + b"ab" + struct.pack("<I", 2) + struct.pack("<2I", 1, 258)
-
-
-def test_oversized_salt_is_rejected():
-    with pytest.raises(ValueError, match="cache salt"):
-        encode_lookup([1], "x" * (MAX_SALT_BYTES + 1))
-
-
-def test_round_trip_min_over_ranks_and_clear(base):
-    stored = list(range(100, 140))
-    cleared = []
-    s0 = LookupServer("eng", 0, prefix_lookup(stored), lambda: cleared.append(0), base=base)
-    s1 = LookupServer("eng", 1, prefix_lookup(stored[:20]), lambda: cleared.append(1), base=base)
-    client = LookupClient("eng", 2, base=base)
-    try:
-        assert client.lookup(stored) == 20  # rank 1 holds less: the minimum wins
-        assert client.lookup(stored[:9]) == 8
-        assert client.lookup([1, 2, 3]) == 0
-        assert client.lookup(stored, "other-tenant") == 0
-        assert client.clear() is True
-        assert sorted(cleared) == [0, 1]
-        for server in (s0, s1):
-            assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o600
-        assert stat.S_IMODE(os.stat(s0.path.parent).st_mode) == 0o700
-    finally:
-        client.close()
-        s0.close()
-        s1.close()
-    assert not s0.path.exists()
-
-
-def test_unreachable_rank_is_a_miss(base):
-    s0 = LookupServer("eng2", 0, prefix_lookup(list(range(64))), lambda: None, base=base)
-    client = LookupClient("eng2", 2, base=base, first_wait_s=0.1)  # rank 1 never starts
-    try:
-        assert client.lookup(list(range(64))) == 0
-        assert client.clear() is False
-    finally:
-        client.close()
-        s0.close()
-
-
-def test_slow_rank_is_a_miss_and_the_client_recovers(base):
-    slow = threading.Event()
-
-    def lookup(tokens, salt):
-        if slow.is_set():
-            time.sleep(1.0)
-        return len(tokens)
-
-    server = LookupServer("eng3", 0, lookup, lambda: None, base=base)
-    client = LookupClient("eng3", 1, base=base, timeout_s=0.2)
-    try:
-        assert client.lookup([1, 2, 3]) == 3
-        slow.set()
-        assert client.lookup([1, 2, 3]) == 0
-        slow.clear()
-        assert client.lookup([1, 2, 3, 4]) == 4  # reconnects after dropping the late reply
-    finally:
-        client.close()
-        server.close()
-
-
-def test_failing_lookup_is_a_miss(base):
-    def boom(tokens, salt):
-        raise RuntimeError("tier exploded")
-
-    server = LookupServer("eng4", 0, boom, lambda: None, base=base)
-    client = LookupClient("eng4", 1, base=base)
-    try:
-        assert client.lookup([1, 2]) == 0
-    finally:
-        client.close()
-        server.close()
-
-
-def test_client_waits_for_a_late_server(base):
-    client = LookupClient("eng5", 1, base=base, first_wait_s=5.0)
-    holder = []
-    timer = threading.Timer(
-        0.3, lambda: holder.append(LookupServer("eng5", 0, lambda t, s: 7, lambda: None, base=base))
+    data = encode_lookup(LookupQuery(req_id="r", tokens=[1, 258], salt="ab", extra_keys={5: b"xy"}))
+    assert data == (
+        b"\x01"
+        + struct.pack("<H", 1)
+        + b"r"
+        + struct.pack("<H", 2)
+        + b"ab"
+        + struct.pack("<H", 1)
+        + struct.pack("<IB", 5, 2)
+        + b"xy"
+        + struct.pack("<I", 2)
+        + struct.pack("<2I", 1, 258)
     )
-    timer.start()
-    try:
-        assert client.lookup([1]) == 7
-    finally:
-        timer.join()
-        client.close()
-        for server in holder:
-            server.close()
+    assert encode_clear() == b"\x02"
 
 
-def test_garbage_request_closes_only_that_connection(base):
-    server = LookupServer("eng6", 0, lambda t, s: len(t), lambda: None, base=base)
-    try:
-        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        raw.connect(str(server.path))
-        raw.sendall(struct.pack("<I", MAX_SALT_BYTES + 10))
-        raw.settimeout(2)
-        assert raw.recv(8) == b""  # closed, no reply
-        raw.close()
-        client = LookupClient("eng6", 1, base=base)
-        assert client.lookup([5, 6]) == 2
-        client.close()
-    finally:
-        server.close()
+@pytest.mark.parametrize(
+    ("query", "match"),
+    [
+        (LookupQuery("r", [1], salt="x" * (MAX_SALT_BYTES + 1)), "salt is 257 utf-8 bytes"),
+        (LookupQuery("é" * (MAX_ID_BYTES // 2 + 1), [1]), "request id is 258 utf-8 bytes"),
+        (LookupQuery("r", [1, -1]), r"token 1 is -1, expected a value in \[0, 2\*\*32\)"),
+        (LookupQuery("r", [2**32]), r"token 0 is 4294967296"),
+        (LookupQuery("r", [1, "2"]), "token 1 is a str"),  # type: ignore[list-item]
+        (LookupQuery("r", range(MAX_TOKENS + 1)), "at most 4194304"),
+        (LookupQuery("r", [1], extra_keys={0: b""}), "is 0 bytes; expected 1 to 64"),
+        (LookupQuery("r", [1], extra_keys={0: b"x" * 65}), "is 65 bytes"),
+        (LookupQuery("r", [1], extra_keys={-1: b"x"}), r"chunk index -1"),
+        (LookupQuery("r", [1], extra_keys={0: "text"}), "expected bytes"),  # type: ignore[dict-item]
+        (
+            LookupQuery("r", [1], extra_keys=dict.fromkeys(range(MAX_EXTRA_KEYS + 1), b"k")),
+            "4097 extra keys",
+        ),
+        (LookupQuery("\ud800", [1]), "not encodable as utf-8"),
+    ],
+)
+def test_encode_rejects_what_breaks_a_limit(query, match):
+    with pytest.raises(ValueError, match=match):
+        encode_lookup(query)
 
 
-def test_socket_path_is_short_and_per_engine(base):
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\x07",  # unknown op
+        b"\x01" + struct.pack("<H", MAX_ID_BYTES + 1),  # id too long
+        b"\x01\x00\x00" + struct.pack("<H", MAX_SALT_BYTES + 1),  # salt too long
+        b"\x01\x00\x00\x00\x00" + struct.pack("<H", MAX_EXTRA_KEYS + 1),
+        b"\x01\x00\x00\x00\x00\x01\x00" + struct.pack("<IB", 0, 65),  # extra key too long
+        b"\x01\x00\x00\x00\x00\x02\x00"
+        + struct.pack("<IB", 4, 1)
+        + b"a"
+        + struct.pack("<IB", 4, 1),
+        b"\x01\x00\x00\x00\x00\x00\x00" + struct.pack("<I", MAX_TOKENS + 1),
+        b"\x01\x02\x00\xff\xfe",  # request id not utf-8
+    ],
+)
+def test_decode_rejects_malformed_requests(payload):
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(payload + b"\x00" * 16)
+        with pytest.raises(ValueError):
+            decode_request(b)
+
+
+def test_decode_truncated_request_is_a_connection_error():
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(encode_lookup(q([1, 2, 3]))[:-3])
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(ConnectionError):
+            decode_request(b)
+
+
+def test_socket_path_is_short_and_per_engine_key(base):
     p = socket_path("x" * 500, 3, base=base)
     assert p.name == "rank3.sock"
+    assert p.parent == socket_dir("x" * 500, base=base)
+    assert p.parent.name.startswith(f"lmcache-vllm-{os.getuid()}-")
     assert len(p.name) + len(p.parent.name) < 60
-    assert socket_path("a", 0, base=base) != socket_path("b", 0, base=base)
+    # one engine id, two engine instances: two folders
+    assert socket_path("eng:inst-a", 0, base=base) != socket_path("eng:inst-b", 0, base=base)
 
 
-def test_foreign_folder_is_refused(base):
-    folder = socket_path("eng7", 0, base=base).parent
-    folder.parent.mkdir(parents=True, exist_ok=True)
+# --- server and client ---------------------------------------------------------------------
+
+
+def test_round_trip_reaches_the_callback_intact(h):
+    seen: list[LookupQuery] = []
+
+    def lookup(query: LookupQuery) -> int:
+        seen.append(query)
+        return 3
+
+    h.server("k", 0, lookup)
+    client = h.client("k", 1)
+    query = LookupQuery(
+        req_id="cmpl-42-0", tokens=[9, 8, 7, 6], salt="a1b2", extra_keys={1: b"mm", 7: b"\xff" * 64}
+    )
+    assert client.lookup(query) == 3
+    assert len(seen) == 1
+    got = seen[0]
+    assert (got.req_id, list(got.tokens), got.salt) == ("cmpl-42-0", [9, 8, 7, 6], "a1b2")
+    assert dict(got.extra_keys) == {1: b"mm", 7: b"\xff" * 64}
+    assert client.failures == 0
+
+
+def test_min_over_three_ranks_and_clear(h):
+    stored = list(range(100, 140))
+    cleared: list[int] = []
+    for rank, held in enumerate((40, 20, 32)):
+        h.server("k", rank, prefix_lookup(stored[:held]), lambda r=rank: cleared.append(r))
+    client = h.client("k", 3)
+    assert client.lookup(q(stored)) == 20  # rank 1 holds the least: the minimum wins
+    assert client.lookup(q(stored[:9])) == 8
+    assert client.lookup(q([1, 2, 3])) == 0
+    assert client.lookup(q(stored, salt="other-tenant")) == 0
+    assert client.clear() is True
+    assert sorted(cleared) == [0, 1, 2]
+    assert client.failures == 0
+
+
+def test_socket_is_0600_in_a_0700_folder_and_close_removes_both(h):
+    s0 = h.server("k", 0, lambda query: 0)
+    s1 = h.server("k", 1, lambda query: 0)
+    for server in (s0, s1):
+        assert stat.S_ISSOCK(os.lstat(server.path).st_mode)
+        assert stat.S_IMODE(os.lstat(server.path).st_mode) == 0o600
+    assert stat.S_IMODE(os.lstat(s0.path.parent).st_mode) == 0o700
+    s0.close()
+    assert not s0.path.exists() and s1.path.exists()  # the folder stays while rank 1 is in it
+    s1.close()
+    s1.close()  # idempotent
+    assert not s1.path.parent.exists()
+
+
+def test_ranks_are_asked_in_parallel_under_one_deadline(h):
+    def slow(query: LookupQuery) -> int:
+        time.sleep(0.4)
+        return len(query.tokens)
+
+    for rank in range(3):
+        h.server("k", rank, slow)
+    client = h.client("k", 3, timeout_s=1.0)
+    start = time.monotonic()
+    assert client.lookup(q([1, 2, 3, 4, 5])) == 5
+    elapsed = time.monotonic() - start
+    assert elapsed < 1.0, f"3 ranks x 0.4 s took {elapsed:.2f} s: asked one after another?"
+
+
+def test_a_slow_rank_is_a_miss_within_the_deadline_and_the_client_recovers(h):
+    slow = threading.Event()
+    answered: list[str] = []
+
+    def rank1(query: LookupQuery) -> int:
+        if slow.is_set():
+            time.sleep(3.0)
+        answered.append(query.req_id)
+        return len(query.tokens)
+
+    h.server("k", 0, lambda query: len(query.tokens))
+    h.server("k", 1, rank1)
+    h.server("k", 2, lambda query: len(query.tokens))
+    client = h.client("k", 3, timeout_s=0.5)
+    assert client.lookup(q([1, 2, 3])) == 3
+    slow.set()
+    start = time.monotonic()
+    assert client.lookup(q([1, 2, 3], req_id="slow")) == 0
+    elapsed = time.monotonic() - start
+    assert elapsed < 0.5 + 0.5, f"a 3 s rank held the lookup for {elapsed:.2f} s"
+    assert client.failures == 1
+    slow.clear()
+    # the late reply to "slow" must not be read as this answer: the connection was dropped
+    assert client.lookup(q([1, 2, 3, 4], req_id="after")) == 4
+    assert client.failures == 1
+
+
+def test_no_server_is_an_immediate_miss_then_a_late_server_is_found(h):
+    client = h.client("late", 2, timeout_s=1.0)
+    start = time.monotonic()
+    assert client.lookup(q([1, 2, 3, 4])) == 0
+    assert time.monotonic() - start < 0.2
+    assert client.failures == 2
+    assert client.clear() is False
+    h.server("late", 0, lambda query: 4)
+    assert client.lookup(q([1, 2, 3, 4])) == 0  # rank 1 still missing
+    h.server("late", 1, lambda query: 4)
+    assert client.lookup(q([1, 2, 3, 4])) == 4
+
+
+def test_a_restarted_server_is_reconnected_to(h):
+    first = h.server("k", 0, lambda query: 1)
+    client = h.client("k", 1)
+    assert client.lookup(q([5, 6])) == 1
+    first.close()
+    h.server("k", 0, lambda query: 2)
+    assert client.lookup(q([5, 6])) == 2  # the dead connection is noticed before sending
+
+
+def test_failures_are_logged_once_per_state_change(h, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    client = h.client("k", 1)
+    for _ in range(5):
+        assert client.lookup(q([1])) == 0
+    assert client.failures == 5
+    assert len([r for r in caplog.records if "rank 0" in r.getMessage()]) == 1
+    caplog.clear()
+    h.server("k", 0, lambda query: 1)
+    for _ in range(3):
+        assert client.lookup(q([1])) == 1
+    assert [r.getMessage() for r in caplog.records if "rank 0" in r.getMessage()] == [
+        f"lmcache lookup: rank 0 ({client.paths[0]}) answers again"
+    ]
+
+
+HOSTILE: dict[str, Callable[[], LookupQuery]] = {  # built per test: 10**7 tokens is 80 MB
+    "salt-5000": lambda: LookupQuery("r", [1, 2], salt="s" * 5000),
+    "id-1000": lambda: LookupQuery("r" * 1000, [1, 2]),
+    "token-neg": lambda: LookupQuery("r", [1, -1]),
+    "token-2**32": lambda: LookupQuery("r", [2**32]),
+    "token-float": lambda: LookupQuery("r", [1.5]),  # type: ignore[list-item]
+    "tokens-10**7": lambda: LookupQuery("r", [0] * 10**7),
+    "extra-65-bytes": lambda: LookupQuery("r", [1], extra_keys={0: b"x" * 65}),
+    "extra-5000-keys": lambda: LookupQuery("r", [1], extra_keys=dict.fromkeys(range(5000), b"k")),
+    "extra-index-2**32": lambda: LookupQuery("r", [1], extra_keys={2**32: b"k"}),
+    "id-surrogate": lambda: LookupQuery("\udcff", [1]),
+    "tokens-None": lambda: LookupQuery("r", None),  # type: ignore[arg-type]
+    "id-None": lambda: LookupQuery(None, [1]),  # type: ignore[arg-type]
+    "salt-None": lambda: LookupQuery("r", [1], salt=None),  # type: ignore[arg-type]
+    "extra-None": lambda: LookupQuery("r", [1], extra_keys=None),  # type: ignore[arg-type]
+    "not-a-query": lambda: "hello",  # type: ignore[return-value,arg-type]
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_queries_never_raise(h, name):
+    seen: list[LookupQuery] = []
+    h.server("k", 0, lambda got: seen.append(got) or len(got.tokens))
+    client = h.client("k", 1)
+    assert client.lookup(HOSTILE[name]()) == 0
+    assert client.failures == 1
+    assert seen == []  # never sent
+    assert client.lookup(q([1, 2])) == 2  # and the channel still works
+
+
+def test_bad_callbacks_answer_minus_one_and_the_client_counts_a_miss(h, caplog):
+    def boom(query: LookupQuery) -> int:
+        raise RuntimeError("tier exploded")
+
+    h.server("k", 0, boom)
+    h.server("k", 1, lambda query: len(query.tokens) + 5)  # more than asked: garbage
+    h.server("k", 2, lambda query: len(query.tokens))
+    client = h.client("k", 3)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert client.lookup(q([1, 2])) == 0
+        assert client.lookup(q([1, 2])) == 0
+    assert client.failures == 4
+    server_errors = [r for r in caplog.records if "failed; answering -1" in r.getMessage()]
+    assert len(server_errors) == 2  # throttled: once for rank 0, once for rank 1 (60 s window)
+
+
+def test_garbage_from_a_raw_client_closes_only_that_connection(h, caplog):
+    server = h.server("k", 0, lambda query: len(query.tokens))
+    client = h.client("k", 1)
+    assert client.lookup(q([5])) == 1
+    garbage = [
+        b"\x09hello",
+        b"\x01" + struct.pack("<H", 60000),
+        b"\x01\x00\x00\x00\x00\x00\x00" + struct.pack("<I", 2**31),
+        b"\x01\x02\x00\xc3\x28",
+    ]
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for payload in garbage:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+                raw.settimeout(2.0)
+                raw.connect(str(server.path))
+                raw.sendall(payload)
+                assert closed_without_reply(raw)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:  # truncated: silent
+            raw.connect(str(server.path))
+            raw.sendall(encode_lookup(q([1, 2, 3]))[:5])
+    malformed = [r for r in caplog.records if "malformed request" in r.getMessage()]
+    assert len(malformed) == len(garbage)
+    assert client.lookup(q([5, 6])) == 2  # the persistent connection was untouched
+    assert h.client("k", 1).lookup(q([5, 6, 7])) == 3  # and new ones work
+
+
+def test_a_stalled_client_is_cut_off_and_blocks_nobody(h, monkeypatch):
+    monkeypatch.setattr(lookup_mod, "_BODY_TIMEOUT_S", 0.3)
+    server = h.server("k", 0, lambda query: len(query.tokens))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.settimeout(3.0)
+        raw.connect(str(server.path))
+        raw.sendall(b"\x01\x05")  # starts a request, never finishes it
+        client = h.client("k", 1)
+        start = time.monotonic()
+        assert client.lookup(q([1, 2])) == 2  # served meanwhile
+        assert time.monotonic() - start < 0.25
+        assert closed_without_reply(raw)  # then the stalled one is closed
+        assert time.monotonic() - start < 2.5
+
+
+def test_closing_an_older_server_keeps_the_newer_socket(h):
+    old = h.server("k", 0, lambda query: 1)
+    new = h.server("k", 0, lambda query: 2)  # same engine key and rank: replaces the socket
+    assert old.path == new.path
+    old.close()
+    assert new.path.exists()
+    client = h.client("k", 1)
+    assert client.lookup(q([1, 2])) == 2
+    new.close()
+    assert not new.path.exists() and not new.path.parent.exists()
+
+
+def test_two_engines_on_one_host_do_not_share_sockets(h):
+    h.server("eng:instance-a", 0, lambda query: 1)
+    h.server("eng:instance-b", 0, lambda query: 2)
+    assert h.client("eng:instance-a", 1).lookup(q([1, 2])) == 1
+    assert h.client("eng:instance-b", 1).lookup(q([1, 2])) == 2
+
+
+def test_foreign_folder_is_refused(h, base):
+    folder = socket_dir("k7", base=base)
     folder.write_text("not a folder")
     with pytest.raises((PermissionError, FileExistsError)):
-        LookupServer("eng7", 0, lambda t, s: 0, lambda: None, base=base)
+        LookupServer("k7", 0, lambda query: 0, lambda: None, base=base)
+    client = h.client("k7", 1)
+    assert client.lookup(q([1])) == 0  # the client does not connect through it either
+
+
+def test_client_refuses_a_folder_others_can_enter(h):
+    server = h.server("k8", 0, lambda query: 1)
+    client = h.client("k8", 1)
+    os.chmod(server.path.parent, 0o755)
+    assert client.lookup(q([1])) == 0
+    os.chmod(server.path.parent, 0o700)
+    assert client.lookup(q([1])) == 1
+
+
+def test_closed_client_misses_without_raising(h):
+    h.server("k", 0, lambda query: 1)
+    client = h.client("k", 1)
+    client.close()
+    client.close()
+    assert client.lookup(q([1])) == 0
+    assert client.clear() is False
