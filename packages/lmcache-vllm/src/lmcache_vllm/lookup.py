@@ -374,6 +374,7 @@ class LookupServer:
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         self._failed_log = _Throttle()
+        self._identity = (-1, -1)  # (st_dev, st_ino) of the socket file once bound
         if len(os.fsencode(self.path)) > _SUN_PATH_MAX:
             raise ValueError(
                 f"lookup socket path {self.path} is {len(os.fsencode(self.path))} bytes; "
@@ -394,12 +395,17 @@ class LookupServer:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind(str(self.path))  # the 0700 folder guards it until the chmod
-            os.chmod(self.path, 0o600)
+        except BaseException:
+            self._sock.close()
+            raise
+        try:
             bound = os.lstat(self.path)
             self._identity = (bound.st_dev, bound.st_ino)
+            os.chmod(self.path, 0o600)
             self._sock.listen(64)
         except BaseException:
             self._sock.close()
+            self._unlink_own()
             raise
         self._thread = threading.Thread(
             target=self._serve, name=f"lmcache-lookup-rank{rank}", daemon=True
@@ -526,6 +532,10 @@ class LookupServer:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
         self._thread.join(timeout=1.0)
+        self._unlink_own()
+
+    def _unlink_own(self) -> None:
+        """Unlink the socket if it is still the file this server bound; drop an empty folder."""
         try:
             info = os.lstat(self.path)
         except FileNotFoundError:

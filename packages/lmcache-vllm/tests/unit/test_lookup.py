@@ -342,6 +342,17 @@ def test_failures_are_logged_once_per_state_change(h, caplog):
     ]
 
 
+def test_bad_queries_are_logged_at_most_once_a_minute(h, caplog):
+    h.server("k", 0, lambda query: 1)
+    client = h.client("k", 1)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for i in range(3):
+            assert client.lookup(LookupQuery(f"bad-{i}", [-1])) == 0
+    assert client.failures == 3
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "'bad-0'" in messages[0] and "token 0 is -1" in messages[0]
+
+
 HOSTILE: dict[str, Callable[[], LookupQuery]] = {  # built per test: 10**7 tokens is 80 MB
     "salt-5000": lambda: LookupQuery("r", [1, 2], salt="s" * 5000),
     "id-1000": lambda: LookupQuery("r" * 1000, [1, 2]),
@@ -473,3 +484,20 @@ def test_closed_client_misses_without_raising(h):
     client.close()
     assert client.lookup(q([1])) == 0
     assert client.clear() is False
+
+
+def test_too_long_a_socket_path_is_refused_with_a_fix(base):
+    deep = base / ("d" * 120)
+    deep.mkdir()
+    with pytest.raises(ValueError, match="AF_UNIX allows at most 107: set TMPDIR"):
+        LookupServer("k", 0, lambda query: 0, lambda: None, base=deep)
+    assert LookupClient("k", 1, base=deep).lookup(q([1])) == 0  # the client just misses
+
+
+def test_a_regular_file_at_the_socket_path_is_not_deleted(h, base):
+    path = socket_path("k9", 0, base=base)
+    path.parent.mkdir(mode=0o700)
+    path.write_text("precious")
+    with pytest.raises(FileExistsError, match="is not a socket"):
+        LookupServer("k9", 0, lambda query: 0, lambda: None, base=base)
+    assert path.read_text() == "precious"
