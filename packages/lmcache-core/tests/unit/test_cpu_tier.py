@@ -179,3 +179,84 @@ def test_corruption_in_the_last_slice_of_a_large_chunk_is_a_miss() -> None:
     assert tier.get(b"big") is None
     assert metrics.value("checksum_failures") == 1
     assert not tier.contains(b"big")
+
+
+def _lru_order(tier: CPUTier, keys: list[bytes]) -> list[bytes]:
+    """The order in which ``keys`` are evicted: fill the tier with fresh chunks, one at a time."""
+    evicted: list[bytes] = []
+    for i in range(len(keys)):
+        _put(tier, b"filler-%d" % i, -1.0)
+        evicted += [k for k in keys if not tier.contains(k) and k not in evicted]
+    return evicted
+
+
+def test_touch_many_orders_a_chain_head_last_to_go() -> None:
+    tier, _ = _tier(4)
+    chain = [b"c0", b"c1", b"c2", b"c3"]
+    for i, key in enumerate(chain):  # put order: c0 is the LRU, c3 the MRU
+        _put(tier, key, float(i))
+    assert tier.touch_many(chain) == 4
+    assert _lru_order(tier, chain) == [b"c3", b"c2", b"c1", b"c0"]  # tail first
+
+    tier, _ = _tier(4)
+    for i, key in enumerate((b"x", b"c0", b"c2", b"y")):
+        _put(tier, key, float(i))
+    # Absent keys are skipped; the touched ones end up most recent, c0 above c2.
+    assert tier.touch_many([b"c0", b"c1", b"c2"]) == 2
+    assert _lru_order(tier, [b"x", b"y", b"c0", b"c2"]) == [b"x", b"y", b"c2", b"c0"]
+    assert tier.touch_many([]) == 0
+
+
+def test_clear_by_owner_keeps_the_others() -> None:
+    tier, _ = _tier(6)
+    for key, owner in ((b"a1", b"model-a"), (b"a2", b"model-a"), (b"b1", b"model-b")):
+        lease = tier.allocate(SHAPE, torch.float32)
+        assert lease is not None
+        with lease:
+            lease.tensor.fill_(1.0)
+            tier.put(key, lease, None, owner=owner)
+    _put(tier, b"none", 2.0)  # default owner b""
+    held = _get(tier, b"a1")
+    tier.clear(owner=b"model-a")
+    assert sorted(k for k in (b"a1", b"a2", b"b1", b"none") if tier.contains(k)) == [b"b1", b"none"]
+    assert torch.equal(held.tensor, torch.full(SHAPE, 1.0))  # a holder's bytes stay valid
+    held.release()
+    assert tier.pool.used_bytes == 2 * CHUNK_BYTES
+    tier.clear(owner=b"model-c")  # nobody's: nothing happens
+    assert len(tier) == 2
+    tier.clear(owner=b"")
+    assert [k for k in (b"b1", b"none") if tier.contains(k)] == [b"b1"]
+    tier.clear()
+    assert len(tier) == 0 and tier.pool.used_bytes == 0
+
+
+def test_replacing_an_entry_takes_the_new_owner() -> None:
+    tier, _ = _tier(2)
+    for owner in (b"first", b"second"):
+        lease = tier.allocate(SHAPE, torch.float32)
+        assert lease is not None
+        with lease:
+            tier.put(b"k", lease, None, owner=owner)
+    tier.clear(owner=b"first")
+    assert tier.contains(b"k")
+    tier.clear(owner=b"second")
+    assert not tier.contains(b"k")
+
+
+def test_callers_metrics_count_evictions_and_checksum_failures() -> None:
+    tier, own = _tier(2)
+    caller = LMCacheMetrics()
+    _put(tier, b"a", 1.0)
+    _put(tier, b"b", 2.0)
+    lease = tier.allocate(SHAPE, torch.float32, metrics=caller)  # evicts a
+    assert lease is not None
+    lease.release()
+    assert caller.value("evicted_chunks") == 1 and own.value("evicted_chunks") == 0
+    with _get(tier, b"b") as held:
+        held.tensor.view(torch.uint8).reshape(-1)[5] ^= 1
+    assert tier.get(b"b", metrics=caller) is None
+    assert caller.value("checksum_failures") == 1 and own.value("checksum_failures") == 0
+    _put(tier, b"c", 3.0)
+    _put(tier, b"d", 4.0)
+    _put(tier, b"e", 5.0)  # no metrics passed: the tier's own count
+    assert own.value("evicted_chunks") == 1 and caller.value("evicted_chunks") == 1

@@ -7,7 +7,15 @@ chunk out: a mismatch is a miss (counted in ``metrics.checksum_failures``, the e
 corrupted chunk is never loaded.
 
 Eviction happens only in :meth:`CPUTier.allocate`, and only of entries that nobody but the tier
-leases: a chunk that a retrieve is copying (it holds a lease from :meth:`CPUTier.get`) stays.
+leases: a chunk that a retrieve is copying, or that a caller holds (a lease from
+:meth:`CPUTier.get`), stays. Victims are taken in LRU order; :meth:`CPUTier.touch_many` marks a
+run of chunks of one key chain used so that earlier chunks are more recent than later ones, so
+eviction takes a prompt's tail before its head and what remains of a prompt is a prefix.
+
+One tier may be shared by the engines of a process (:func:`lmcache.tiers.process_cpu_tier`):
+entries record an ``owner`` (the storing engine's fingerprint) so one engine can drop only its
+own chunks, and :meth:`CPUTier.get` / :meth:`CPUTier.allocate` count checksum failures and
+evictions into the metrics their caller passes.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import os
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -79,6 +87,7 @@ def tensor_checksum(tensor: torch.Tensor) -> int:
 class _Entry:
     lease: MemoryLease
     checksum: int | None
+    owner: bytes
 
 
 class CPUTier:
@@ -88,7 +97,8 @@ class CPUTier:
 
     Args:
         pool: The host pool chunks are allocated from.
-        metrics: Counts ``evicted_chunks`` and ``checksum_failures``.
+        metrics: Counts ``evicted_chunks`` and ``checksum_failures`` of the calls that pass no
+            ``metrics`` of their own.
     """
 
     def __init__(self, pool: HostMemoryPool, metrics: LMCacheMetrics) -> None:
@@ -140,29 +150,57 @@ class CPUTier:
             self._entries.move_to_end(key)
             return True
 
-    def put(self, key: bytes, lease: MemoryLease, checksum: int | None) -> None:
+    def touch_many(self, keys: Iterable[bytes]) -> int:
+        """Mark the stored ones of ``keys`` most recently used, ``keys[0]`` the most recent.
+
+        ``keys`` is a run of one key chain in chain order (chunk ``i`` before chunk ``i + 1``).
+        They are moved to the most-recently-used end in reverse order, so each later chunk is
+        less recently used than the ones before it: LRU eviction then takes a prompt's tail
+        before its head, and chunks are never kept while the prefix they need is gone. Keys not
+        stored are skipped.
+
+        Returns:
+            How many of ``keys`` are stored (and were touched).
+        """
+        touched = 0
+        with self._lock:
+            for key in reversed(list(keys)):
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+                    touched += 1
+        return touched
+
+    def put(
+        self, key: bytes, lease: MemoryLease, checksum: int | None, *, owner: bytes = b""
+    ) -> None:
         """Store a chunk; the tier takes its own share of ``lease`` (the caller keeps theirs).
 
-        An entry already under ``key`` is replaced.
+        An entry already under ``key`` is replaced (a lease someone holds on the old bytes stays
+        valid). The entry becomes the most recently used.
 
         Args:
             key: The chunk key.
             lease: The chunk's bytes (from :meth:`allocate`).
             checksum: :func:`tensor_checksum` of the bytes, or ``None`` to skip verification.
+            owner: Who stored it, for :meth:`clear` (engines pass their metadata fingerprint).
         """
         share = lease.share()
         with self._lock:
             old = self._entries.pop(key, None)
-            self._entries[key] = _Entry(share, checksum)
+            self._entries[key] = _Entry(share, checksum, bytes(owner))
         if old is not None:
             old.lease.release()
 
-    def get(self, key: bytes) -> MemoryLease | None:
+    def get(self, key: bytes, *, metrics: LMCacheMetrics | None = None) -> MemoryLease | None:
         """A new lease on the chunk under ``key``, or ``None`` on a miss; the caller releases it.
 
         Marks the entry most recently used. When the entry has a checksum and the bytes no longer
-        match it, the entry is dropped, ``metrics.checksum_failures`` counted, and ``None``
-        returned.
+        match it, the entry is dropped, ``checksum_failures`` counted, and ``None`` returned.
+        While the caller holds the lease the entry is not evicted.
+
+        Args:
+            key: The chunk key.
+            metrics: Where to count a checksum failure; the tier's own metrics when ``None``.
         """
         with self._lock:
             entry = self._entries.get(key)
@@ -177,7 +215,7 @@ class CPUTier:
         if found == entry.checksum:
             return lease
         lease.release()
-        self.metrics.checksum_failures.inc()
+        (self.metrics if metrics is None else metrics).checksum_failures.inc()
         logger.warning(
             "Checksum mismatch for chunk %s in the CPU tier (expected %#018x, found %#018x): "
             "the bytes changed after they were stored. Treating it as a miss and dropping it.",
@@ -194,13 +232,28 @@ class CPUTier:
             entry.lease.release()
         return None
 
-    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryLease | None:
+    def allocate(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        metrics: LMCacheMetrics | None = None,
+    ) -> MemoryLease | None:
         """Allocate a chunk buffer, evicting least recently used entries until it fits.
 
-        Only entries whose sole lease is the tier's are evicted (a chunk being read by a retrieve
-        is never evicted). Returns ``None`` when nothing more can be evicted and it still does
-        not fit.
+        Only entries whose sole lease is the tier's are evicted (a chunk being read by a
+        retrieve, or held by a caller, is never evicted).
+
+        Args:
+            shape: The buffer's shape, e.g. ``[num_layers, num_tokens, kv_width]``.
+            dtype: Its element type.
+            metrics: Where to count evictions; the tier's own metrics when ``None``.
+
+        Returns:
+            A lease on the buffer (contents undefined), or ``None`` when nothing more can be
+            evicted and it still does not fit.
         """
+        counts = self.metrics if metrics is None else metrics
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if nbytes > self.pool.budget_bytes:
             return None  # evicting cannot help
@@ -213,7 +266,7 @@ class CPUTier:
                 if victim is None:
                     return None
                 self._entries.pop(victim).lease.release()
-                self.metrics.evicted_chunks.inc()
+                counts.evicted_chunks.inc()
 
     def remove(self, key: bytes) -> bool:
         """Drop the entry under ``key``; returns whether there was one."""
@@ -224,10 +277,19 @@ class CPUTier:
         entry.lease.release()
         return True
 
-    def clear(self) -> None:
-        """Drop every entry (leases others hold on the bytes stay valid)."""
+    def clear(self, owner: bytes | None = None) -> None:
+        """Drop every entry, or only those stored with ``owner`` (leases others hold stay valid).
+
+        Args:
+            owner: ``None`` drops everything; bytes drop the entries :meth:`put` recorded with
+                that owner (e.g. one engine's fingerprint on a tier shared by several).
+        """
         with self._lock:
-            entries = list(self._entries.values())
-            self._entries.clear()
+            if owner is None:
+                entries = list(self._entries.values())
+                self._entries.clear()
+            else:
+                mine = [k for k, e in self._entries.items() if e.owner == owner]
+                entries = [self._entries.pop(k) for k in mine]
         for entry in entries:
             entry.lease.release()

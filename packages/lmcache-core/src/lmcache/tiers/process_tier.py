@@ -5,7 +5,9 @@ A serving process may build several engine instances over its life (a notebook r
 ``vllm.LLM``, tests, an engine restarted in place). Host memory is a process resource, so engines
 with the same CPU budget share one pool and one tier: a fresh engine finds what an earlier one
 stored. Chunk keys carry the model/geometry/rank fingerprint and the salt, so engines of different
-models never see each other's chunks.
+models never see each other's chunks. Each engine passes its own metrics and its fingerprint as
+the owner of what it stores, so its counts are its own and ``LMCacheEngine.clear()`` drops only
+its own chunks.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ def process_cpu_tier(config: LMCacheConfig, metrics: LMCacheMetrics) -> CPUTier:
 
     Args:
         config: Its ``max_local_cpu_bytes`` selects (or sizes) the shared tier.
-        metrics: Counts the tier's evictions and checksum failures; taken from the first caller.
+        metrics: The tier's default metrics, taken from the first caller: they count the
+            evictions and checksum failures of tier calls that pass no metrics of their own
+            (:class:`~lmcache.cache_engine.LMCacheEngine` always passes its own).
 
     Returns:
         The same :class:`CPUTier` for every caller with the same budget.
