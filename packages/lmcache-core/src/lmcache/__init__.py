@@ -10,7 +10,8 @@ Public entry points (imported lazily; ``import lmcache`` never imports an engine
 
 - :class:`lmcache.config.LMCacheConfig`, :func:`lmcache.config.load_config`
 - :class:`lmcache.metadata.LMCacheMetadata`
-- :class:`lmcache.cache_engine.LMCacheEngine` (``lookup`` / ``store`` / ``retrieve``)
+- :class:`lmcache.cache_engine.LMCacheEngine` (``lookup`` / ``lookup_and_lease`` / ``store`` /
+  ``retrieve``) and :class:`lmcache.held_hit.HeldHit` (a leased lookup hit)
 - :func:`lmcache.gpu_connector.CreateGPUConnector` and the connector interface
 - :mod:`lmcache.keys` (chunk keys), :mod:`lmcache.memory` (host pool and leases),
   :mod:`lmcache.tiers` (storage tiers), :mod:`lmcache.metrics` (Prometheus metrics)
@@ -34,6 +35,7 @@ _LAZY: dict[str, str] = {
     "ConfigError": "lmcache.config",
     "LMCacheMetadata": "lmcache.metadata",
     "LMCacheEngine": "lmcache.cache_engine",
+    "HeldHit": "lmcache.held_hit",
     "CreateGPUConnector": "lmcache.gpu_connector",
 }
 

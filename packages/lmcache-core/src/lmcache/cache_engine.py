@@ -3,8 +3,9 @@
 
 A request's tokens are cut into chunks of ``chunk_size`` tokens (the last may be partial), each
 keyed by :func:`lmcache.keys.chunk_keys` (a hash chained over every earlier chunk, seeded with the
-model fingerprint and the cache salt). Chunks live in the :class:`~lmcache.tiers.CPUTier` as host
-buffers ``[num_layers, chunk_tokens, kv_width]``.
+model fingerprint and the cache salt; ``extra_keys`` mixes per-chunk material such as multimodal
+item hashes into the chain). Chunks live in the :class:`~lmcache.tiers.CPUTier` as host buffers
+``[num_layers, chunk_tokens, kv_width]``, recorded with this engine's fingerprint as their owner.
 
 Semantics (LMCache's):
 
@@ -17,6 +18,11 @@ Semantics (LMCache's):
 - :meth:`LMCacheEngine.retrieve` loads the longest run of present chunks right after the masked
   prefix (a missing chunk ends it) and returns a mask that is ``True`` exactly for the tokens of
   the loaded chunks.
+- :meth:`LMCacheEngine.lookup_and_lease` is a lookup that also verifies and leases the hit
+  chunks (a :class:`~lmcache.held_hit.HeldHit`): they cannot be evicted until it is released,
+  and a retrieve given ``held=`` loads them without hashing them again.
+- Every store, lookup or retrieve marks its run of chunks used in chain order (earlier chunks
+  more recent), so LRU eviction takes a prompt's tail before its head.
 - Each store or retrieve is one batched connector call (``from_gpu`` / ``to_gpu``) for all of its
   chunks; the layerwise variants make one call per layer.
 - A tier that fails is a miss (counted in ``tier_errors``). A connector that fails raises: the
@@ -29,7 +35,6 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,32 +45,20 @@ from lmcache.gpu_connector.interface import (
     TransferSpec,
     supports_layerwise,
 )
-from lmcache.keys import chunk_keys, chunk_ranges
+from lmcache.held_hit import HeldHit
 from lmcache.layerwise import LayerwiseRetrieve, LayerwiseStore, Pending, release_all
-from lmcache.memory import HostMemoryPool
+from lmcache.memory import HostMemoryPool, LeaseError, MemoryLease
 from lmcache.metrics import LMCacheMetrics
+from lmcache.request_plan import ExtraKeys, RequestPlan, Tokens, plan_request
 from lmcache.tiers import CPUTier
 
 if TYPE_CHECKING:
     from lmcache.config import LMCacheConfig
     from lmcache.metadata import LMCacheMetadata
 
-__all__ = ["LMCacheEngine", "LayerwiseRetrieve", "LayerwiseStore", "Tokens"]
+__all__ = ["ExtraKeys", "HeldHit", "LMCacheEngine", "LayerwiseRetrieve", "LayerwiseStore", "Tokens"]
 
 logger = logging.getLogger(__name__)
-
-#: Token ids of one request: a sequence of ints or a 1-D integer tensor ``[num_tokens]``.
-Tokens = Sequence[int] | torch.Tensor
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """A request cut into chunks: ``keys[i]`` is the key of tokens ``ranges[i]``."""
-
-    num_tokens: int
-    keys: list[bytes]
-    ranges: list[tuple[int, int]]
-    first_chunk: int  # first chunk after the masked prefix
 
 
 class LMCacheEngine:
@@ -78,9 +71,12 @@ class LMCacheEngine:
         gpu_connector: Moves KV between the engine and host buffers. Needed by store and
             retrieve (not by lookup); may be set later with :meth:`set_gpu_connector`.
         metrics: Where to count; a fresh :class:`~lmcache.metrics.LMCacheMetrics` when ``None``.
+            The tier's evictions and checksum failures caused by this engine's calls count here
+            too, also on a shared tier.
         tier: The CPU tier to use, e.g. :func:`lmcache.tiers.process_cpu_tier` to share one
             across the engines of a process. ``None`` builds a private pool and tier sized by
-            ``config.max_local_cpu_size``. A shared tier is not emptied by :meth:`close`.
+            ``config.max_local_cpu_size``. A shared tier is not emptied by :meth:`close`, and
+            :meth:`clear` drops only this engine's chunks from it.
 
     Raises:
         ValueError: ``config.chunk_size`` differs from ``metadata.chunk_size``, or the connector's
@@ -166,43 +162,23 @@ class LMCacheEngine:
     # ------------------------------------------------------------------ planning
 
     def _plan(
-        self, tokens: Tokens, mask: torch.Tensor | None, transfer: TransferSpec | None, salt: str
-    ) -> _Plan:
+        self,
+        tokens: Tokens,
+        mask: torch.Tensor | None,
+        transfer: TransferSpec | None,
+        salt: str,
+        extra_keys: ExtraKeys | None = None,
+    ) -> RequestPlan:
         """Validate a request and compute its chunk keys."""
-        if isinstance(tokens, torch.Tensor) and tokens.dim() != 1:
-            raise ValueError(f"tokens must be 1-D [num_tokens], found shape {tuple(tokens.shape)}")
-        num_tokens = len(tokens)
-        cs = self.chunk_size
-        masked = 0
-        if mask is not None:
-            if mask.dtype != torch.bool or mask.dim() != 1 or mask.shape[0] != num_tokens:
-                raise ValueError(
-                    f"mask must be a bool tensor [num_tokens={num_tokens}], found "
-                    f"{mask.dtype} {tuple(mask.shape)}."
-                )
-            mask = mask.cpu()
-            masked = int((~mask).sum())
-            if bool((~mask[masked:]).any()):
-                raise ValueError(
-                    "mask's False entries must be a prefix (tokens to skip, then tokens to "
-                    f"transfer), found {masked} False entries not all at the start. Mask only a "
-                    "leading, chunk-aligned run of tokens."
-                )
-            if masked % cs != 0 and masked != num_tokens:
-                raise ValueError(
-                    f"mask's False prefix must be a multiple of chunk_size={cs}, found {masked} "
-                    f"masked tokens. Round the skipped prefix down to a multiple of {cs}."
-                )
-        if transfer is not None:
-            sm = transfer.slot_mapping
-            if sm.dim() != 1 or sm.shape[0] != num_tokens:
-                raise ValueError(
-                    f"transfer.slot_mapping must be [num_tokens={num_tokens}] (one slot per token "
-                    f"of the request), found shape {tuple(sm.shape)}."
-                )
-        keys = chunk_keys(tokens, self._fingerprint, cs, salt=self.config.cache_salt + "\0" + salt)
-        ranges = chunk_ranges(num_tokens, cs)
-        return _Plan(num_tokens, keys, ranges, -(-masked // cs))
+        return plan_request(
+            tokens,
+            mask,
+            transfer,
+            chunk_size=self.chunk_size,
+            fingerprint=self._fingerprint,
+            salt=self.config.cache_salt + "\0" + salt,
+            extra_keys=extra_keys,
+        )
 
     def _chunk_shape(self, num_tokens: int) -> tuple[int, int, int]:
         return (self.metadata.num_layers, num_tokens, self.metadata.kv_width)
@@ -213,12 +189,42 @@ class LMCacheEngine:
 
     def _present(self, key: bytes) -> bool:
         try:
-            return self.tier.touch(key)
+            return self.tier.contains(key)
         except Exception as exc:
             self._tier_error("look up a chunk", exc)
             return False
 
-    def _allocate_store(self, plan: _Plan) -> list[Pending]:
+    def _touch(self, chain: Sequence[bytes]) -> None:
+        """Mark a run of one key chain used, earlier chunks more recent (kept longer)."""
+        if not chain:
+            return
+        try:
+            self.tier.touch_many(chain)
+        except Exception as exc:
+            self._tier_error("mark chunks used", exc)
+
+    def _get(self, key: bytes, start: int, end: int) -> MemoryLease | None:
+        """A verified lease on chunk ``key`` of tokens ``[start, end)``, or ``None`` on a miss."""
+        try:
+            lease = self.tier.get(key, metrics=self.metrics)
+        except Exception as exc:
+            self._tier_error("get a chunk", exc)
+            return None
+        return None if lease is None else self._check_shape(key, lease, end - start)
+
+    def _check_shape(self, key: bytes, lease: MemoryLease, num_tokens: int) -> MemoryLease | None:
+        if lease.tensor.shape == self._chunk_shape(num_tokens):
+            return lease
+        logger.warning(
+            "Chunk %s has shape %s, expected %s; treating it as a miss.",
+            key.hex(),
+            tuple(lease.tensor.shape),
+            self._chunk_shape(num_tokens),
+        )
+        lease.release()
+        return None
+
+    def _allocate_store(self, plan: RequestPlan) -> list[Pending]:
         """Lease buffers for the chunks a store saves (leading ones only when memory is short)."""
         pending: list[Pending] = []
         if not self.config.local_cpu:
@@ -228,12 +234,15 @@ class LMCacheEngine:
             start, end = plan.ranges[i]
             if end - start < self.chunk_size and not self.config.save_unfull_chunk:
                 continue  # trailing partial chunk
-            if not self._present(plan.keys[i]):  # present ones are touched: kept from eviction
+            if not self._present(plan.keys[i]):
                 todo.append(i)
+        self._touch(plan.keys)  # this chain's present chunks are the last to be evicted
         for i in todo:
             start, end = plan.ranges[i]
             try:
-                lease = self.tier.allocate(self._chunk_shape(end - start), self.metadata.kv_dtype)
+                lease = self.tier.allocate(
+                    self._chunk_shape(end - start), self.metadata.kv_dtype, metrics=self.metrics
+                )
             except Exception as exc:
                 self._tier_error("allocate", exc)
                 lease = None
@@ -246,50 +255,64 @@ class LMCacheEngine:
             pending.append(Pending(plan.keys[i], ChunkTransfer(start, end, lease.tensor), lease))
         return pending
 
-    def _commit_store(self, pending: Sequence[Pending], started: float) -> int:
-        """Checksum the filled buffers and hand them to the tier; returns tokens stored."""
+    def _commit_store(
+        self, pending: Sequence[Pending], started: float, chain: Sequence[bytes] = ()
+    ) -> int:
+        """Checksum the filled buffers and hand them to the tier; returns tokens stored.
+
+        ``chain`` (the request's keys) is then marked used in chain order.
+        """
         stored_tokens = stored_bytes = 0
         checksums: list[int | None] = [None] * len(pending)
         if self.config.checksum:
             checksums = list(self.tier.checksums([p.lease.tensor for p in pending]))
         for p, checksum in zip(pending, checksums, strict=True):
             try:
-                self.tier.put(p.key, p.lease, checksum)
+                self.tier.put(p.key, p.lease, checksum, owner=self._fingerprint)
             except Exception as exc:
                 self._tier_error("store a chunk", exc)
                 break
             stored_tokens += p.chunk.num_tokens
             stored_bytes += p.lease.nbytes
             self.metrics.stored_chunks.inc()
+        self._touch(chain)
         self.metrics.stored_bytes.inc(stored_bytes)
         self.metrics.store_seconds.observe(time.perf_counter() - started)
         return stored_tokens
 
-    def _acquire_hits(self, plan: _Plan) -> list[Pending]:
-        """Leases on the longest run of present chunks after the masked prefix."""
+    def _acquire_hits(self, plan: RequestPlan, held: HeldHit | None = None) -> list[Pending]:
+        """Leases on the longest run of present chunks after the masked prefix.
+
+        Chunks in ``held`` get a share of its lease (verified at ``lookup_and_lease``, not
+        hashed again); the others come from the tier, verified.
+        """
         pending: list[Pending] = []
-        for i in range(plan.first_chunk, len(plan.keys)):
-            start, end = plan.ranges[i]
-            try:
-                lease = self.tier.get(plan.keys[i])
-            except Exception as exc:
-                self._tier_error("get a chunk", exc)
-                lease = None
-            if lease is None:
-                break
-            if lease.tensor.shape != self._chunk_shape(end - start):
-                logger.warning(
-                    "Chunk %s has shape %s, expected %s; treating it as a miss.",
-                    plan.keys[i].hex(),
-                    tuple(lease.tensor.shape),
-                    self._chunk_shape(end - start),
-                )
-                lease.release()
-                break
-            pending.append(Pending(plan.keys[i], ChunkTransfer(start, end, lease.tensor), lease))
+        try:
+            for i in range(plan.first_chunk, len(plan.keys)):
+                key = plan.keys[i]
+                start, end = plan.ranges[i]
+                lease = held.share(key) if held is not None else None
+                if lease is not None:
+                    lease = self._check_shape(key, lease, end - start)
+                else:
+                    lease = self._get(key, start, end)
+                if lease is None:
+                    break
+                pending.append(Pending(key, ChunkTransfer(start, end, lease.tensor), lease))
+        except BaseException:  # e.g. ``held`` released meanwhile: give back what we took
+            release_all(pending)
+            raise
+        self._touch(plan.keys[: plan.first_chunk + len(pending)])
         return pending
 
-    def _hit_mask(self, plan: _Plan, pending: Sequence[Pending]) -> torch.Tensor:
+    def _check_held(self, held: HeldHit | None, action: str) -> None:
+        if held is not None and held.released:
+            raise LeaseError(
+                f"LMCacheEngine.{action}: held={held!r} was released before the {action}; its "
+                "chunks may be gone. Release it after the retrieve, or pass held=None."
+            )
+
+    def _hit_mask(self, plan: RequestPlan, pending: Sequence[Pending]) -> torch.Tensor:
         mask = torch.zeros(plan.num_tokens, dtype=torch.bool)
         if pending:
             mask[pending[0].chunk.start : pending[-1].chunk.end] = True
@@ -302,19 +325,74 @@ class LMCacheEngine:
 
     # ------------------------------------------------------------------ public API
 
-    def lookup(self, tokens: Tokens, *, salt: str = "") -> int:
+    def lookup(self, tokens: Tokens, *, salt: str = "", extra_keys: ExtraKeys | None = None) -> int:
         """Number of leading tokens whose chunks are stored (a stored partial last chunk counts).
 
-        Found chunks are marked recently used, so a retrieve soon after is likely to find them.
+        Found chunks are marked recently used (earlier ones more recent), so a retrieve soon
+        after is likely to find them; nothing is leased, see :meth:`lookup_and_lease`.
+
+        Args:
+            tokens: The request's token ids ``[num_tokens]``.
+            salt: Per-request cache salt (tenant isolation), combined with ``config.cache_salt``.
+            extra_keys: Extra key material per chunk index (e.g. multimodal item hashes); see
+                :func:`lmcache.keys.chunk_keys`.
+
+        Raises:
+            ValueError, TypeError: malformed tokens or ``extra_keys``.
         """
         if self._closed:
             raise RuntimeError("LMCacheEngine.lookup: the engine is closed.")
-        plan = self._plan(tokens, None, None, salt)
-        hit = 0
-        for key, (_, end) in zip(plan.keys, plan.ranges, strict=True):
+        plan = self._plan(tokens, None, None, salt, extra_keys)
+        found = 0
+        for key in plan.keys:
             if not self._present(key):
                 break
-            hit = end
+            found += 1
+        self._touch(plan.keys[:found])
+        return self._count_lookup(plan, found)
+
+    def lookup_and_lease(
+        self, tokens: Tokens, *, salt: str = "", extra_keys: ExtraKeys | None = None
+    ) -> HeldHit:
+        """Like :meth:`lookup`, but verifies and leases the hit chunks until the hit is released.
+
+        Each chunk of the longest stored prefix is taken from the tier with its checksum
+        verified; the first missing or mismatching chunk ends the hit. While the returned
+        :class:`~lmcache.held_hit.HeldHit` is held its chunks are not evicted, and
+        :meth:`retrieve` / :meth:`retrieve_layerwise` given ``held=`` load them without
+        verifying them again. Counts the same metrics as :meth:`lookup`.
+
+        Args:
+            tokens: The request's token ids ``[num_tokens]``.
+            salt: Per-request cache salt, combined with ``config.cache_salt``.
+            extra_keys: Extra key material per chunk index; see :func:`lmcache.keys.chunk_keys`.
+
+        Returns:
+            The held hit; ``num_tokens`` is what :meth:`lookup` would return (unless a chunk
+            failed its checksum). Release it (or use it as a context manager) when done.
+
+        Raises:
+            ValueError, TypeError: malformed tokens or ``extra_keys``.
+        """
+        if self._closed:
+            raise RuntimeError("LMCacheEngine.lookup_and_lease: the engine is closed.")
+        plan = self._plan(tokens, None, None, salt, extra_keys)
+        chunks: list[tuple[bytes, MemoryLease]] = []
+        try:
+            for key, (start, end) in zip(plan.keys, plan.ranges, strict=True):
+                lease = self._get(key, start, end)
+                if lease is None:
+                    break
+                chunks.append((key, lease))
+        except BaseException:
+            for _, lease in chunks:
+                lease.release()
+            raise
+        self._touch(plan.keys[: len(chunks)])
+        return HeldHit(chunks, self._count_lookup(plan, len(chunks)))
+
+    def _count_lookup(self, plan: RequestPlan, found: int) -> int:
+        hit = plan.ranges[found - 1][1] if found else 0
         self.metrics.lookup_requests.inc()
         self.metrics.lookup_tokens.inc(plan.num_tokens)
         self.metrics.hit_tokens.inc(hit)
@@ -327,6 +405,7 @@ class LMCacheEngine:
         transfer: TransferSpec,
         *,
         salt: str = "",
+        extra_keys: ExtraKeys | None = None,
     ) -> int:
         """Save the KV of ``tokens`` from the engine (one ``from_gpu`` call for all chunks).
 
@@ -336,22 +415,25 @@ class LMCacheEngine:
                 ``None`` stores from the first token.
             transfer: Where the tokens' KV is in the engine (``slot_mapping`` ``[num_tokens]``).
             salt: Per-request cache salt (tenant isolation), combined with ``config.cache_salt``.
+            extra_keys: Extra key material per chunk index (e.g. multimodal item hashes); see
+                :func:`lmcache.keys.chunk_keys`.
 
         Returns:
             Number of tokens newly stored.
 
         Raises:
-            ValueError: a malformed mask or slot mapping.
+            ValueError: a malformed mask, slot mapping or ``extra_keys``.
             RuntimeError: no connector. Errors of the connector are raised as they are.
         """
         connector = self._connector("store")
         started = time.perf_counter()
-        pending = self._allocate_store(self._plan(tokens, mask, transfer, salt))
+        plan = self._plan(tokens, mask, transfer, salt, extra_keys)
+        pending = self._allocate_store(plan)
         if not pending:
             return 0
         try:
             connector.from_gpu([p.chunk for p in pending], transfer)
-            return self._commit_store(pending, started)
+            return self._commit_store(pending, started, plan.keys)
         finally:
             release_all(pending)
 
@@ -362,6 +444,8 @@ class LMCacheEngine:
         transfer: TransferSpec,
         *,
         salt: str = "",
+        extra_keys: ExtraKeys | None = None,
+        held: HeldHit | None = None,
     ) -> torch.Tensor:
         """Load the longest stored prefix of ``tokens`` into the engine (one ``to_gpu`` call).
 
@@ -374,18 +458,26 @@ class LMCacheEngine:
             mask: bool ``[num_tokens]``; ``False`` marks a chunk-aligned prefix not to load.
             transfer: The request's slots; ``transfer.skip_tokens`` leading slots are not written.
             salt: Per-request cache salt.
+            extra_keys: Extra key material per chunk index (e.g. multimodal item hashes); see
+                :func:`lmcache.keys.chunk_keys`.
+            held: A hit from :meth:`lookup_and_lease` for these tokens: its chunks are loaded
+                from its leases without verifying their checksums again (even if the tier dropped
+                or replaced them meanwhile); other chunks come from the tier, verified. Not
+                released here: the caller releases it.
 
         Returns:
             bool ``[num_tokens]`` on the CPU, ``True`` exactly for the tokens of loaded chunks.
 
         Raises:
-            ValueError: a malformed mask or slot mapping.
+            ValueError: a malformed mask, slot mapping or ``extra_keys``.
             RuntimeError: no connector. Errors of the connector are raised as they are.
+            LeaseError: ``held`` was released already.
         """
         connector = self._connector("retrieve")
+        self._check_held(held, "retrieve")
         started = time.perf_counter()
-        plan = self._plan(tokens, mask, transfer, salt)
-        pending = self._acquire_hits(plan)
+        plan = self._plan(tokens, mask, transfer, salt, extra_keys)
+        pending = self._acquire_hits(plan, held)
         if not pending:
             return self._hit_mask(plan, pending)
         try:
@@ -405,6 +497,7 @@ class LMCacheEngine:
         transfer: TransferSpec,
         *,
         salt: str = "",
+        extra_keys: ExtraKeys | None = None,
     ) -> LayerwiseStore:
         """Like :meth:`store`, one layer at a time; see :class:`LayerwiseStore`.
 
@@ -416,8 +509,9 @@ class LMCacheEngine:
         """
         connector = self._layerwise_connector("store_layerwise")
         started = time.perf_counter()
-        pending = self._allocate_store(self._plan(tokens, mask, transfer, salt))
-        return LayerwiseStore(self, connector, pending, transfer, started)
+        plan = self._plan(tokens, mask, transfer, salt, extra_keys)
+        pending = self._allocate_store(plan)
+        return LayerwiseStore(self, connector, pending, transfer, started, chain=plan.keys)
 
     def retrieve_layerwise(
         self,
@@ -426,29 +520,37 @@ class LMCacheEngine:
         transfer: TransferSpec,
         *,
         salt: str = "",
+        extra_keys: ExtraKeys | None = None,
+        held: HeldHit | None = None,
     ) -> LayerwiseRetrieve:
         """Like :meth:`retrieve`, one layer at a time; see :class:`LayerwiseRetrieve`.
 
-        The hit chunks are found and leased now (``num_hit_tokens`` is known at once).
+        The hit chunks are found and leased now (``num_hit_tokens`` is known at once); chunks
+        in ``held`` use a share of its leases, unverified, as in :meth:`retrieve`. ``held`` may
+        be released once this returns (the retrieve keeps its own shares until it finishes).
 
         Raises:
             TypeError: the connector does not implement ``SupportsLayerwise``.
+            LeaseError: ``held`` was released already.
         """
         connector = self._layerwise_connector("retrieve_layerwise")
+        self._check_held(held, "retrieve_layerwise")
         started = time.perf_counter()
-        plan = self._plan(tokens, mask, transfer, salt)
-        pending = self._acquire_hits(plan)
+        plan = self._plan(tokens, mask, transfer, salt, extra_keys)
+        pending = self._acquire_hits(plan, held)
         return LayerwiseRetrieve(
             self, connector, pending, transfer, self._hit_mask(plan, pending), started
         )
 
     def clear(self) -> None:
-        """Drop every stored chunk of this engine's tier.
+        """Drop the chunks this engine's model stored (owner: its metadata fingerprint).
 
-        With a shared tier (:func:`lmcache.tiers.process_cpu_tier`) that is every chunk of the
-        process, whichever engine stored it.
+        On a shared tier (:func:`lmcache.tiers.process_cpu_tier`) the chunks of engines with
+        other fingerprints (other models, geometry or ranks) stay. Engines with the same
+        fingerprint share their chunks (same keys), so those go too. Leases held on the bytes
+        (a :class:`~lmcache.held_hit.HeldHit`, a retrieve in flight) stay valid.
         """
-        self.tier.clear()
+        self.tier.clear(owner=self._fingerprint)
 
     def close(self) -> None:
         """Drop every chunk of a private tier, close the connector; later calls raise."""

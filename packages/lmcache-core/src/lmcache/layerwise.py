@@ -114,9 +114,24 @@ class _LayerwiseOp:
 class LayerwiseStore(_LayerwiseOp):
     """A store in progress: call :meth:`store_layer` for layers ``0 .. num_layers-1``, then
     :meth:`finish` (or :meth:`abort`).
+
+    ``chain`` is the request's chunk keys, marked used in chain order at :meth:`finish`.
     """
 
     _what = "LayerwiseStore"
+
+    def __init__(
+        self,
+        engine: LMCacheEngine,
+        connector: GPUConnectorInterface,
+        pending: list[Pending],
+        transfer: TransferSpec,
+        started: float,
+        *,
+        chain: Sequence[bytes] = (),
+    ) -> None:
+        super().__init__(engine, connector, pending, transfer, started)
+        self._chain = chain
 
     @property
     def num_tokens(self) -> int:
@@ -137,7 +152,7 @@ class LayerwiseStore(_LayerwiseOp):
         if not self._pending:
             return 0
         try:
-            return self._engine._commit_store(self._pending, self._started)
+            return self._engine._commit_store(self._pending, self._started, self._chain)
         finally:
             release_all(self._pending)
 

@@ -427,15 +427,17 @@ def test_failing_tier_is_a_counted_miss(monkeypatch: pytest.MonkeyPatch) -> None
     tokens, src, dst = s.request(2 * CS)
     s.engine.store(tokens, None, src)
 
-    def broken(key: bytes) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
         raise OSError("tier down")
 
-    monkeypatch.setattr(s.engine.tier, "get", broken)
-    monkeypatch.setattr(s.engine.tier, "touch", broken)
+    for method in ("get", "contains", "touch", "touch_many"):
+        monkeypatch.setattr(s.engine.tier, method, broken)
     assert s.engine.lookup(tokens) == 0
+    with s.engine.lookup_and_lease(tokens) as hit:
+        assert hit.num_tokens == 0 and hit.keys == []
     s.to_dst()
     assert not bool(s.engine.retrieve(tokens, None, dst).any())
-    assert s.engine.metrics.value("tier_errors") == 2
+    assert s.engine.metrics.value("tier_errors") == 3  # one per call: each stops at chunk 0
     assert s.conn.calls["to_gpu"] == 0
 
 

@@ -129,3 +129,20 @@ def test_log_level_from_environment() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and "is not a logging level" in out.stderr
     assert out.stdout.split() == ["0", "0"]
+
+
+def test_top_level_lazy_names() -> None:
+    import lmcache.cache_engine
+    import lmcache.held_hit
+
+    assert "HeldHit" in lmcache.__all__ and "HeldHit" in dir(lmcache)
+    assert lmcache.HeldHit is lmcache.held_hit.HeldHit is lmcache.cache_engine.HeldHit
+    assert lmcache.LMCacheEngine is lmcache.cache_engine.LMCacheEngine
+    assert sorted(lmcache.cache_engine.__all__) == [
+        "ExtraKeys",
+        "HeldHit",
+        "LMCacheEngine",
+        "LayerwiseRetrieve",
+        "LayerwiseStore",
+        "Tokens",
+    ]

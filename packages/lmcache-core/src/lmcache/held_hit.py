@@ -1,0 +1,104 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A lookup hit whose chunks are leased until the caller lets go.
+
+:meth:`lmcache.cache_engine.LMCacheEngine.lookup_and_lease` returns a :class:`HeldHit`: the
+longest stored prefix of a request, each chunk checksum-verified once and leased. While the hit
+is held its chunks cannot be evicted (the tier evicts only entries whose sole lease is its own),
+so a scheduler can promise the engine ``num_tokens`` cached tokens and load exactly them later::
+
+    hit = engine.lookup_and_lease(tokens)        # verified now
+    ...                                          # other requests store and evict meanwhile
+    with hit:
+        loaded = engine.retrieve(tokens, mask, transfer, held=hit)  # not hashed again
+
+A held lease stays valid bytes for its key even if the tier entry is removed or replaced
+meanwhile (keys name their content), so :meth:`~lmcache.cache_engine.LMCacheEngine.retrieve`
+uses it regardless.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from types import TracebackType
+
+from lmcache.memory import LeaseError, MemoryLease
+
+__all__ = ["HeldHit"]
+
+
+class HeldHit:
+    """Leases on the leading chunks of a request, from ``lookup_and_lease``.
+
+    Args:
+        chunks: ``(key, lease)`` of each held chunk, in chain order from chunk 0; the hit takes
+            over the leases.
+        num_tokens: Tokens those chunks cover.
+
+    Attributes:
+        num_tokens: Tokens covered by the held chunks (a stored partial last chunk counts).
+        keys: Keys of the held chunks, in chain order.
+    """
+
+    def __init__(self, chunks: Sequence[tuple[bytes, MemoryLease]], num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+        self.keys: list[bytes] = [key for key, _ in chunks]
+        self._leases: dict[bytes, MemoryLease] = dict(chunks)
+        self._lock = threading.Lock()
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` was called."""
+        return self._released
+
+    def __len__(self) -> int:
+        """Number of held chunks."""
+        return len(self.keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._leases
+
+    def share(self, key: bytes) -> MemoryLease | None:
+        """A new lease on the held chunk under ``key`` (the caller releases it), or ``None``.
+
+        The bytes are not verified again: they were verified when the hit was taken.
+
+        Raises:
+            LeaseError: the hit was released.
+        """
+        with self._lock:
+            if self._released:
+                raise LeaseError(
+                    f"HeldHit of {len(self.keys)} chunk(s) ({self.num_tokens} tokens) was "
+                    "released; its chunks may have been evicted. Keep the hit until the retrieve "
+                    "that uses it returns, or pass held=None."
+                )
+            lease = self._leases.get(key)
+            return None if lease is None else lease.share()
+
+    def release(self) -> None:
+        """Release every held lease (idempotent); the chunks become evictable again."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            leases = list(self._leases.values())
+            self._leases.clear()
+        for lease in leases:
+            lease.release()
+
+    def __enter__(self) -> HeldHit:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "held"
+        return f"HeldHit(num_tokens={self.num_tokens}, chunks={len(self.keys)}, {state})"

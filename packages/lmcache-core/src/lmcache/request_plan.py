@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A request cut into chunks: validated once, then a plain plan object.
+
+:func:`plan_request` checks a request's tokens, mask and slot mapping and computes its chunk keys
+(:func:`lmcache.keys.chunk_keys`); :class:`lmcache.cache_engine.LMCacheEngine` works from the
+returned :class:`RequestPlan` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lmcache.gpu_connector.interface import TransferSpec
+from lmcache.keys import chunk_keys, chunk_ranges
+
+__all__ = ["ExtraKeys", "RequestPlan", "Tokens", "plan_request"]
+
+#: Token ids of one request: a sequence of ints or a 1-D integer tensor ``[num_tokens]``.
+Tokens = Sequence[int] | torch.Tensor
+
+#: Extra key material per chunk index, e.g. ``{chunk of an image's placeholders: image hash}``;
+#: see :func:`lmcache.keys.chunk_keys`.
+ExtraKeys = Mapping[int, bytes]
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """A request cut into chunks: ``keys[i]`` is the key of tokens ``ranges[i]``.
+
+    Attributes:
+        num_tokens: Tokens of the request.
+        keys: One chunk key per chunk, in chain order.
+        ranges: Half-open token range ``(start, end)`` of each chunk.
+        first_chunk: First chunk after the mask's ``False`` prefix.
+    """
+
+    num_tokens: int
+    keys: list[bytes]
+    ranges: list[tuple[int, int]]
+    first_chunk: int
+
+
+def plan_request(
+    tokens: Tokens,
+    mask: torch.Tensor | None,
+    transfer: TransferSpec | None,
+    *,
+    chunk_size: int,
+    fingerprint: bytes,
+    salt: str,
+    extra_keys: ExtraKeys | None = None,
+) -> RequestPlan:
+    """Validate a request and compute its chunk keys.
+
+    Args:
+        tokens: Token ids ``[num_tokens]``.
+        mask: bool ``[num_tokens]`` whose ``False`` entries are a chunk-aligned prefix, or
+            ``None``.
+        transfer: The request's slots (``slot_mapping`` ``[num_tokens]``), or ``None``.
+        chunk_size: Tokens per chunk.
+        fingerprint: Seeds the key chain (``LMCacheMetadata.fingerprint()``).
+        salt: The full cache salt.
+        extra_keys: Extra key material per chunk index.
+
+    Raises:
+        ValueError: malformed tokens, mask, slot mapping or ``extra_keys``.
+        TypeError: tokens or ``extra_keys`` of the wrong type.
+    """
+    if isinstance(tokens, torch.Tensor) and tokens.dim() != 1:
+        raise ValueError(f"tokens must be 1-D [num_tokens], found shape {tuple(tokens.shape)}")
+    num_tokens = len(tokens)
+    cs = chunk_size
+    masked = 0
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.dim() != 1 or mask.shape[0] != num_tokens:
+            raise ValueError(
+                f"mask must be a bool tensor [num_tokens={num_tokens}], found "
+                f"{mask.dtype} {tuple(mask.shape)}."
+            )
+        mask = mask.cpu()
+        masked = int((~mask).sum())
+        if bool((~mask[masked:]).any()):
+            raise ValueError(
+                "mask's False entries must be a prefix (tokens to skip, then tokens to "
+                f"transfer), found {masked} False entries not all at the start. Mask only a "
+                "leading, chunk-aligned run of tokens."
+            )
+        if masked % cs != 0 and masked != num_tokens:
+            raise ValueError(
+                f"mask's False prefix must be a multiple of chunk_size={cs}, found {masked} "
+                f"masked tokens. Round the skipped prefix down to a multiple of {cs}."
+            )
+    if transfer is not None:
+        sm = transfer.slot_mapping
+        if sm.dim() != 1 or sm.shape[0] != num_tokens:
+            raise ValueError(
+                f"transfer.slot_mapping must be [num_tokens={num_tokens}] (one slot per token "
+                f"of the request), found shape {tuple(sm.shape)}."
+            )
+    keys = chunk_keys(tokens, fingerprint, cs, salt=salt, extra_keys=extra_keys)
+    ranges = chunk_ranges(num_tokens, cs)
+    return RequestPlan(num_tokens, keys, ranges, -(-masked // cs))
