@@ -19,6 +19,10 @@ was loaded from lmcache.
 
 ``--smoke`` runs a small, fast variant (a 2-layer model, a 1024-token prompt) for CI.
 
+Output: one progress line per long step (model build, vLLM start, each run), then the results.
+vLLM's logs, Python warnings, torch's C++ warnings, progress bars and lmcache's INFO lines are
+turned off before anything imports them; ``--verbose`` keeps them all.
+
 TTFT is vLLM's own per-request figure (``RequestOutput.metrics.first_token_latency``: arrival to first
 token, engine side); where an engine does not fill it, the script times the request instead.
 """
@@ -26,12 +30,14 @@ token, engine side); where an engine does not fill it, the script times the requ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import logging
 import os
 import pathlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 # vLLM reads these at import time. Single-process mode (scheduler and worker in this process) starts
@@ -76,10 +82,64 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def quiet_third_party(verbose: bool) -> None:
+    """Silence everything but errors from vLLM, torch, transformers and lmcache (unless ``verbose``).
+
+    Must run before torch, transformers or vLLM is imported: they read these variables at import
+    time. The variables also reach vLLM's engine process in multiprocess mode.
+    """
+    if verbose:
+        os.environ.setdefault("LMCACHE_LOG_LEVEL", "INFO")
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        for name in ("lmcache", "lmcache_vllm"):
+            logging.getLogger(name).addHandler(handler)
+        return
+    quiet = {
+        "VLLM_LOGGING_LEVEL": "ERROR",  # vLLM's own handler
+        "TORCH_CPP_LOG_LEVEL": "ERROR",  # c10 warnings such as "NUMA binding: ..."
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+        "PYTHONWARNINGS": "ignore",  # for child processes; this one is filtered below
+        "LMCACHE_LOG_LEVEL": "WARNING",  # applied when lmcache is imported
+    }
+    for key, value in quiet.items():
+        os.environ.setdefault(key, value)
+    import warnings
+
+    warnings.simplefilter("ignore")
+    _quiet_loggers()
+
+
+def _quiet_loggers() -> None:
+    """With ``VLLM_LOGGING_LEVEL=ERROR``, also drop the warnings vLLM logs while it is imported,
+    before it installs its handler (e.g. "Triton is installed, but doesn't include CPU backend"),
+    which Python's last-resort handler would print.
+
+    Also runs at import of this module: vLLM's engine process (multiprocess mode) starts by
+    importing the main script, before it imports vLLM.
+    """
+    if os.environ.get("VLLM_LOGGING_LEVEL", "").upper() == "ERROR":
+        for name in ("vllm", "transformers", "torch"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+_quiet_loggers()
+
+
 def model_dir_for(params: dict[str, int], root: pathlib.Path) -> pathlib.Path:
     """A folder name that changes with the model parameters, so a change never reuses a stale model."""
     tag = "l{num_layers}-h{hidden_size}-d{head_dim}-kv{num_kv_heads}-s{seed}".format(**params)
     return root / f"llama-{tag}"
+
+
+def describe_model(params: dict[str, int]) -> str:
+    return (
+        f"random Llama, {params['num_layers']} layers, hidden {params['hidden_size']}, "
+        f"{params['num_heads']} query / {params['num_kv_heads']} KV heads of {params['head_dim']}, "
+        "bf16 weights"
+    )
 
 
 def build_model(params: dict[str, int], root: pathlib.Path) -> pathlib.Path:
@@ -87,15 +147,19 @@ def build_model(params: dict[str, int], root: pathlib.Path) -> pathlib.Path:
     from lmcache_vllm.testing import build_tiny_llama
 
     out = model_dir_for(params, root)
-    log(
-        f"model: random Llama, {params['num_layers']} layers, hidden {params['hidden_size']}, "
-        f"{params['num_heads']} query / {params['num_kv_heads']} KV heads of {params['head_dim']}, "
-        f"bf16 -> {out}"
-    )
+    log(f"model: {describe_model(params)} -> {out}")
     t0 = time.perf_counter()
     build_tiny_llama(out, **params)
     log(f"model ready in {time.perf_counter() - t0:.1f} s")
     return out
+
+
+def _shown(path: pathlib.Path) -> str:
+    """``path`` relative to the working directory when it lies below it."""
+    try:
+        return str(path.relative_to(pathlib.Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def lmcache_transfer_config(via: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -245,6 +309,7 @@ def start_engine(
         max_model_len=max_model_len,
         max_num_batched_tokens=max_model_len,
         disable_log_stats=False,
+        use_tqdm_on_load=False,  # no "Loading safetensors checkpoint shards" progress bar
         **extra,
     )
     if kv_transfer_config is not None:
@@ -262,6 +327,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--max-tokens", type=int, default=16, help="greedy tokens generated per run")
     ap.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="vLLM's compute and KV dtype (default bfloat16). On CPUs with AMX, vLLM's bfloat16 "
+        "attention keeps KV blocks in a format lmcache does not read yet: use float32 there",
+    )
+    ap.add_argument(
         "--via",
         choices=("in-tree", "module"),
         default="in-tree",
@@ -274,14 +346,33 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=REPO_ROOT / ".demo",
         help="where the random model is built (default: .demo/ in the repository)",
     )
-    ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="keep vLLM's logs, warnings, progress bars and lmcache's INFO lines",
+    )
     return ap.parse_args(argv)
+
+
+@contextlib.contextmanager
+def step(msg: str) -> Iterator[list[str]]:
+    """One progress line for a long step: ``msg ...`` first, its duration (and any note the body
+    appends to the yielded list) when it ends; an error ends the line so the traceback starts
+    on its own."""
+    print(f"{msg} ...", end="", flush=True)
+    t0 = time.perf_counter()
+    notes: list[str] = []
+    try:
+        yield notes
+    except BaseException:
+        print(flush=True)
+        raise
+    print(f" {time.perf_counter() - t0:.1f} s" + "".join(f" ({n})" for n in notes), flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if not args.verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    quiet_third_party(args.verbose)
     params = SMOKE_MODEL if args.smoke else DEMO_MODEL
     n_prompt = args.prompt_tokens or (1024 if args.smoke else 4096)
     max_model_len = n_prompt + args.max_tokens + 64
@@ -291,79 +382,65 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"(max {params['max_position_embeddings'] - args.max_tokens - 64})"
         )
 
-    log(
-        "lmcache demo: vLLM on the CPU, the same prompt twice; the second prefill comes from lmcache"
-    )
-    model = build_model(params, args.model_root)
+    from lmcache_vllm.testing import build_tiny_llama, make_prompt
 
-    from lmcache_vllm.testing import make_prompt
+    model = model_dir_for(params, args.model_root)
+    weights = model / "model.safetensors"
+    before = weights.stat().st_mtime_ns if weights.exists() else None
+    with step(f"tiny model ({describe_model(params)}) in {_shown(model)}") as notes:
+        build_tiny_llama(model, **params)
+        if before is not None and weights.stat().st_mtime_ns == before:
+            notes.append("already built: reused")
 
     prompt = make_prompt(n_prompt, seed=1234, vocab_size=params["vocab_size"])
     warmup = make_prompt(64, seed=4321, vocab_size=params["vocab_size"])
     kv_cfg = lmcache_transfer_config(args.via)
 
-    log("starting vLLM (the first start imports torch and vLLM: ~20 s) ...")
-    t0 = time.perf_counter()
-    import vllm
+    with step(f"starting vLLM ({args.dtype}) on the CPU with lmcache as its KV connector") as notes:
+        import vllm
 
-    llm = start_engine(model, max_model_len, kv_cfg)
-    log(
-        f"vLLM {vllm.__version__} ready in {time.perf_counter() - t0:.1f} s; "
-        f"kv_transfer_config = {kv_cfg}"
-    )
-    timer = ConnectorTimer()
-    timer.install()
-    run_prompt(llm, warmup, 2)  # first-call costs out of the way (distinct tokens: no hit later)
+        llm = start_engine(model, max_model_len, kv_cfg, dtype=args.dtype)
+        timer = ConnectorTimer()
+        timer.install()
+        run_prompt(llm, warmup, 2)  # first-call costs out of the way (distinct tokens: no hit)
+        notes.append(f"vLLM {vllm.__version__}")
+    if args.verbose:
+        log(f"kv_transfer_config = {kv_cfg}")
 
-    log(
-        f"run 1 (cold): {n_prompt}-token prompt, vLLM computes the prefill, lmcache stores the KV ..."
-    )
-    cold = run_prompt(llm, prompt, args.max_tokens, timer)
-    log(f"run 1 done: TTFT {cold.ttft_s:.3f} s")
+    with step(f"run 1 (cold): {n_prompt}-token prompt, vLLM computes it, lmcache stores the KV"):
+        cold = run_prompt(llm, prompt, args.max_tokens, timer)
 
+    # vLLM 0.32: reset_connector defaults to False, so lmcache keeps what it stored.
     ok_reset = llm.reset_prefix_cache(reset_connector=False)
-    log(f"vLLM prefix cache emptied (reset_prefix_cache -> {ok_reset}); lmcache keeps its store")
+    with step("run 2 (warm): vLLM's prefix cache emptied, the same prompt, lmcache loads the KV"):
+        warm = run_prompt(llm, prompt, args.max_tokens, timer)
     if not ok_reset:
-        log("WARNING: vLLM refused to reset its prefix cache: run 2 may be served by vLLM itself")
-
-    log("run 2 (warm): the same prompt, lmcache loads the KV ...")
-    warm = run_prompt(llm, prompt, args.max_tokens, timer)
-    log(f"run 2 done: TTFT {warm.ttft_s:.3f} s")
+        print("WARNING: vLLM refused to reset its prefix cache: run 2 may be served by vLLM itself")
 
     same = cold.token_ids == warm.token_ids
     loaded = warm.external_hits
     speedup = cold.ttft_s / warm.ttft_s if warm.ttft_s > 0 else float("inf")
     src = "vLLM first_token_latency" if warm.ttft_source == "engine" else "request wall time"
-    print(flush=True)
-    print("=" * 78)
-    print(
-        f"lmcache + vLLM {vllm.__version__} (CPU), random Llama {params['num_layers']} layers / hidden "
-        f"{params['hidden_size']}, prompt {n_prompt} tokens, {args.max_tokens} greedy tokens"
-    )
-    print("-" * 78)
-    print(
-        f"  run 1 cold  (recompute + store): TTFT {cold.ttft_s * 1e3:9.1f} ms   "
-        f"cached tokens {cold.num_cached_tokens}"
-    )
-    print(
-        f"  run 2 warm  (load from lmcache): TTFT {warm.ttft_s * 1e3:9.1f} ms   "
-        f"cached tokens {warm.num_cached_tokens}"
-    )
-    print(
-        f"  tokens loaded from lmcache:       {loaded} of {n_prompt} "
-        f"({EXTERNAL_HITS} +{warm.external_hits}; vLLM's own prefix cache served {warm.local_hits})"
-    )
-    print(f"  TTFT speedup:                     {speedup:.1f}x   (TTFT = {src})")
+    lines = [
+        "",
+        f"run 1 cold  (recompute + store): TTFT {cold.ttft_s * 1e3:9.1f} ms   "
+        f"cached tokens {cold.num_cached_tokens}",
+        f"run 2 warm  (load from lmcache): TTFT {warm.ttft_s * 1e3:9.1f} ms   "
+        f"cached tokens {warm.num_cached_tokens}",
+        f"tokens loaded from lmcache:       {loaded} of {n_prompt} "
+        f"({EXTERNAL_HITS} +{warm.external_hits}; vLLM's own prefix cache served {warm.local_hits})",
+        f"TTFT speedup:                     {speedup:.1f}x   (TTFT = {src})",
+    ]
     if cold.connector_save_s is not None and warm.connector_load_s is not None:
-        print(
-            f"  time inside the connector:        store {cold.connector_save_s * 1e3:.1f} ms (run 1), "
+        lines.append(
+            f"time inside the connector:        store {cold.connector_save_s * 1e3:.1f} ms (run 1), "
             f"load {warm.connector_load_s * 1e3:.1f} ms (run 2)"
         )
-    print(
-        f"  outputs identical:                {'yes' if same else 'NO'} "
+    lines.append(
+        f"outputs identical:                {'yes' if same else 'NO'} "
         f"({len(warm.token_ids)} greedy tokens)"
     )
-    print("=" * 78, flush=True)
+    print("\n".join(lines), flush=True)
 
     failures = []
     if not same:
@@ -373,8 +450,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"nothing was loaded from lmcache (external hits {loaded}, num_cached_tokens "
             f"{warm.num_cached_tokens})"
         )
-    if warm.local_hits > 0:
-        log(f"note: vLLM's own prefix cache served {warm.local_hits} tokens of run 2")
     for f in failures:
         print(f"FAILED: {f}", file=sys.stderr, flush=True)
     return 1 if failures else 0

@@ -55,6 +55,7 @@ from vllm_demo import (
     build_model,
     lmcache_transfer_config,
     log,
+    quiet_third_party,
     run_prompt,
     start_engine,
 )
@@ -465,7 +466,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--model-root", type=pathlib.Path, default=REPO_ROOT / ".demo")
     ap.add_argument("--json", type=pathlib.Path, default=None, help="also write all figures here")
-    ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="keep vLLM's logs, warnings, progress bars and lmcache's INFO lines",
+    )
     ap.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=pathlib.Path, help=argparse.SUPPRESS)
     ap.add_argument("--no-ttft", dest="ttft", action="store_false", help=argparse.SUPPRESS)
@@ -514,8 +519,7 @@ def child_argv(args: argparse.Namespace, cfg: str, out: pathlib.Path, ttft: bool
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if not args.verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    quiet_third_party(args.verbose)  # also reaches the child processes through the environment
     if args.worker:
         res = run_config(args)
         args.out.write_text(json.dumps(res))
@@ -527,8 +531,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     failed: list[str] = []
     env = dict(os.environ)
-    if not args.verbose:
-        env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")
     with tempfile.TemporaryDirectory(prefix="lmcache-bench-") as tmp:
         for rnd in range(args.rounds):
             for cfg in args.configs:
