@@ -102,6 +102,7 @@ def test_register_device_ops_rejects_duplicates_and_mismatch() -> None:
             "cpu", HostDeviceOps("cpu", cpu.h2d, cpu.d2h, cpu.current_stream, cpu.synchronize)
         )
     register_device_ops("cpu", cpu)  # the same object again is a no-op
+    assert get_device_ops("cpu") is cpu
     with pytest.raises(ValueError, match="must match"):
         register_device_ops("xpu", cpu)
     assert "xpu" not in gpu_ops.registered_device_types()

@@ -352,7 +352,6 @@ def test_large_input_matches_chunkwise_recompute() -> None:
     tokens = torch.randint(0, 2**31 - 1, (100_000,), generator=torch.Generator().manual_seed(1))
     keys = chunk_keys(tokens, b"fp", 256)
     assert len(keys) == len(chunk_ranges(100_000, 256))
-    as_list = tokens.tolist()
-    # spot-check the chain at a few chunks against the step-by-step reference
-    assert [key_hex(k) for k in keys[:3]] == reference_keys(as_list[:768], b"fp", b"", 256)
-    assert keys[-1] == chunk_keys(as_list, b"fp", 256)[-1]
+    # every chunk of the chain against the step-by-step reference (a list input to the
+    # reference, a tensor to chunk_keys)
+    assert [key_hex(k) for k in keys] == reference_keys(tokens.tolist(), b"fp", b"", 256)

@@ -80,12 +80,12 @@ def test_explicit_registry() -> None:
     m.tier_errors.inc()
     assert m.registry is reg
     assert reg.get_sample_value("lmcache_tier_errors_total") == 1
-    with pytest.raises(ValueError):  # prometheus refuses a second set of the same names
-        LMCacheMetrics(reg)
+    with pytest.raises(ValueError, match="registry already has an instance with labels"):
+        LMCacheMetrics(reg)  # a second set would count into the same series
 
 
 def test_value_rejects_unknown_names() -> None:
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="'registry' is not an LMCacheMetrics metric attribute"):
         LMCacheMetrics().value("registry")
 
 

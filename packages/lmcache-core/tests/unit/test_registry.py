@@ -187,6 +187,8 @@ def test_discovery_runs_once(site: Path) -> None:
     assert "fake.cpu" not in registered_gpu_connectors()
     _fake_dist(site, "lmc-fake-late", {"fake.cpu": "lmc_fake_late:select"})
     assert "fake.cpu" not in registered_gpu_connectors()  # installed after discovery
+    registry_mod._reset_for_tests()  # control: a new discovery does find it
+    assert registered_gpu_connectors()["fake.cpu"] == "lmc_fake_late:select"
 
 
 def test_plugins_allowlist(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
