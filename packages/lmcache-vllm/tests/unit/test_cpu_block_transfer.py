@@ -193,14 +193,24 @@ def test_bad_slot_rejected_before_any_write(bad):
     rng = RANGES["chunks"]
     slots = _slots("aligned", 14)
     slots[20] = bad
+    # the connector's own check names the bad entry (not some later indexing error)
+    why = r"-1 for tokens \[20\]" if bad < 0 else rf"slot {bad} is beyond the cache"
     with _buffers(conn, rng, "adjacent") as a:
-        with pytest.raises(ValueError, match="slot"):
+        for t in a:
+            t.copy_(torch.randn(t.shape).to(t.dtype))
+        with pytest.raises(ValueError, match=why):
             conn.from_gpu(_chunks(rng, a), TransferSpec(slots))
-        with pytest.raises(ValueError, match="slot"):
+        with pytest.raises(ValueError, match=why):
             conn.to_gpu(_chunks(rng, a), TransferSpec(slots, skip_tokens=3))
         for x, y in zip(caches, before, strict=True):
             assert _eq(x, y)
-        conn.to_gpu(_chunks(rng, a), TransferSpec(slots, skip_tokens=21))  # bad one skipped
+        # skipping past the bad slot: loads tokens 21.. like the token-level reference path
+        conn.to_gpu(_chunks(rng, a), TransferSpec(slots, skip_tokens=21))
+        ref = _caches("one", 13)
+        _conn(ref, blocks=False).to_gpu(_chunks(rng, a), TransferSpec(slots, skip_tokens=21))
+        assert not all(_eq(x, y) for x, y in zip(caches, before, strict=True))
+        for x, y in zip(caches, ref, strict=True):
+            assert _eq(x, y)
 
 
 @pytest.mark.parametrize(

@@ -192,17 +192,27 @@ def test_bad_slot_rejected_and_engine_untouched(device, slots_on, bad):
     slots = _slots(29, 11, "cpu")
     slots[20] = bad
     slots = slots.to(device if slots_on == "device" else "cpu")
+    # the connector's own check names the bad entry (not some later indexing error)
+    why = r"-1 for tokens \[20\]" if bad < 0 else rf"slot {bad} is beyond the cache"
     with _buffers(conn, rng, "adjacent") as a:
+        for t in a:
+            t.copy_(torch.randn(t.shape).to(t.dtype))
         chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, a, strict=True)]
-        with pytest.raises(ValueError, match="slot"):
+        with pytest.raises(ValueError, match=why):
             conn.from_gpu(chunks, TransferSpec(slots))
-        with pytest.raises(ValueError, match="slot"):
+        with pytest.raises(ValueError, match=why):
             conn.to_gpu(chunks, TransferSpec(slots, skip_tokens=3))
         conn.synchronize()
         for x, y in zip(caches, before, strict=True):
             assert _eq(x, y)
-        conn.to_gpu(chunks, TransferSpec(slots, skip_tokens=21))  # bad slot is skipped: fine
+        # skipping past the bad slot: loads tokens 21.. like the per-layer reference path
+        conn.to_gpu(chunks, TransferSpec(slots, skip_tokens=21))
         conn.synchronize()
+        ref_caches = _caches("lbnhc", md, device, 10)
+        _conn("lbnhc", md, ref_caches, False).to_gpu(chunks, TransferSpec(slots, skip_tokens=21))
+        assert not all(_eq(x, y) for x, y in zip(caches, before, strict=True))
+        for x, y in zip(caches, ref_caches, strict=True):
+            assert _eq(x, y)
 
 
 def test_plan_pieces_split_ops_and_runs():
@@ -229,8 +239,10 @@ def test_plan_pieces_split_ops_and_runs():
 
 @pytest.mark.parametrize("kind", ["lbnhc", "lbhnc", "uneven", "mla"])
 @pytest.mark.parametrize("piece", ["whole", "per-layer", "two-chunks"])
-def test_pieces_match_one_piece(kind, piece):
-    """Every way of cutting a call into pieces moves the same bytes (CPU runs them in order)."""
+def test_pieces_match_per_layer_path(kind, piece):
+    """Every way of cutting a call into pieces moves the bytes the per-layer path moves (CPU
+    runs the pieces in order). The reference is the per-layer path, not ``from_gpu`` of the
+    same connector: on CPU that is the one-piece plan itself."""
     md = _md(kind)
     rng = RANGE_SETS["gapped"]
     src = _caches(kind, md, "cpu", 13)
@@ -241,7 +253,7 @@ def test_pieces_match_one_piece(kind, piece):
     with _buffers(conn, rng, "adjacent") as a, _buffers(conn, rng, "adjacent") as b:
         ca = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, a, strict=True)]
         cb_ = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, b, strict=True)]
-        conn.from_gpu(ca, TransferSpec(slots))
+        _conn(kind, md, src, False).from_gpu(ca, TransferSpec(slots))
         plan = conn._plan(range(LAYERS), cb_, 0, pb)
         staging = torch.empty(plan.total * plan.row_bytes, dtype=torch.uint8)
         idx, _ = conn._fused_indices(plan, TransferSpec(slots))
@@ -251,7 +263,7 @@ def test_pieces_match_one_piece(kind, piece):
         for x, y in zip(a, b, strict=True):
             assert _eq(x, y)
         dst1, dst2 = _caches(kind, md, "cpu", 15), _caches(kind, md, "cpu", 15)
-        c1, c2 = _conn(kind, md, dst1, True), _conn(kind, md, dst2, True)
+        c1, c2 = _conn(kind, md, dst1, False), _conn(kind, md, dst2, True)
         lslots = _slots(40, 16, "cpu")
         spec = TransferSpec(lslots, skip_tokens=3)
         c1.to_gpu(ca, spec)

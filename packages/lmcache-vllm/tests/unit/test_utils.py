@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -59,12 +60,33 @@ def test_nodes_not_divisible_by_dp_groups_is_rejected():
         calculate_local_rank_and_world_size(cfg(tp=2, nnodes=3, dp=2, dp_local=1))
 
 
-def test_torch_dev_matches_torch():
+def _torch_kind() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return "xpu"
+    return "cpu"
+
+
+def test_torch_dev_without_vllm_follows_torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm.platforms", None)  # importing it raises ImportError
     kind, module = get_vllm_torch_dev()
-    assert kind in ("cpu", "cuda", "xpu")
+    assert kind == _torch_kind()
     assert module is getattr(torch, kind)
-    if not torch.cuda.is_available():
-        assert kind in ("cpu", "xpu")
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "xpu"])
+def test_torch_dev_asks_vllms_platform_first(monkeypatch, platform):
+    """vLLM's platform wins over torch (a vLLM built for the CPU says cpu next to a GPU)."""
+    current = SimpleNamespace(
+        is_cuda_alike=lambda: platform == "cuda",
+        is_xpu=lambda: platform == "xpu",
+        is_cpu=lambda: platform == "cpu",
+    )
+    monkeypatch.setitem(sys.modules, "vllm.platforms", SimpleNamespace(current_platform=current))
+    kind, module = get_vllm_torch_dev()
+    assert kind == platform
+    assert module is getattr(torch, platform)
 
 
 def test_kv_dtype():
