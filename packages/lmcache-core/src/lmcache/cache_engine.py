@@ -46,7 +46,7 @@ from lmcache.gpu_connector.interface import (
     supports_layerwise,
 )
 from lmcache.held_hit import HeldHit
-from lmcache.layerwise import LayerwiseRetrieve, LayerwiseStore, Pending, release_all
+from lmcache.layerwise import LayerwiseRetrieve, LayerwiseStore, Pending, StagedStore, release_all
 from lmcache.memory import HostMemoryPool, LeaseError, MemoryLease
 from lmcache.metrics import LMCacheMetrics
 from lmcache.request_plan import ExtraKeys, RequestPlan, Tokens, plan_request
@@ -56,7 +56,15 @@ if TYPE_CHECKING:
     from lmcache.config import LMCacheConfig
     from lmcache.metadata import LMCacheMetadata
 
-__all__ = ["ExtraKeys", "HeldHit", "LMCacheEngine", "LayerwiseRetrieve", "LayerwiseStore", "Tokens"]
+__all__ = [
+    "ExtraKeys",
+    "HeldHit",
+    "LMCacheEngine",
+    "LayerwiseRetrieve",
+    "LayerwiseStore",
+    "StagedStore",
+    "Tokens",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -425,17 +433,35 @@ class LMCacheEngine:
             ValueError: a malformed mask, slot mapping or ``extra_keys``.
             RuntimeError: no connector. Errors of the connector are raised as they are.
         """
+        return self.copy_out(tokens, mask, transfer, salt=salt, extra_keys=extra_keys).commit()
+
+    def copy_out(
+        self,
+        tokens: Tokens,
+        mask: torch.Tensor | None,
+        transfer: TransferSpec,
+        *,
+        salt: str = "",
+        extra_keys: ExtraKeys | None = None,
+    ) -> StagedStore:
+        """The first half of :meth:`store`: lease buffers and copy the KV out of the engine.
+
+        When this returns, the engine's pages are no longer read and may be reused;
+        ``.commit()`` on the result checksums and publishes the chunks (``store`` is
+        ``copy_out(...).commit()``). Arguments and errors as for :meth:`store`.
+        """
         connector = self._connector("store")
         started = time.perf_counter()
         plan = self._plan(tokens, mask, transfer, salt, extra_keys)
-        pending = self._allocate_store(plan)
-        if not pending:
-            return 0
-        try:
-            connector.from_gpu([p.chunk for p in pending], transfer)
-            return self._commit_store(pending, started, plan.keys)
-        finally:
-            release_all(pending)
+        staged = StagedStore(self, self._allocate_store(plan), plan.keys, started)
+        pending = staged._pending
+        if pending:
+            try:
+                connector.from_gpu([p.chunk for p in pending], transfer)
+            except BaseException:
+                staged.abort()
+                raise
+        return staged
 
     def retrieve(
         self,

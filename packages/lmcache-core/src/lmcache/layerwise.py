@@ -27,7 +27,7 @@ from lmcache.memory import MemoryLease
 if TYPE_CHECKING:
     from lmcache.cache_engine import LMCacheEngine
 
-__all__ = ["LayerwiseRetrieve", "LayerwiseStore", "Pending", "release_all"]
+__all__ = ["LayerwiseRetrieve", "LayerwiseStore", "Pending", "StagedStore", "release_all"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,55 @@ def release_all(pending: Sequence[Pending]) -> None:
     for p in pending:
         if not p.lease.released:
             p.lease.release()
+
+
+class StagedStore:
+    """A store whose bytes are copied into leased host buffers but not yet visible.
+
+    :meth:`lmcache.cache_engine.LMCacheEngine.copy_out` returns it once the connector's copy is
+    complete, so the engine's pages may be reused from then on; :meth:`commit` then checksums
+    the buffers and hands them to the tier (on another thread if the caller likes: it only
+    reads host memory). :meth:`abort` drops them.
+    """
+
+    def __init__(
+        self,
+        engine: LMCacheEngine,
+        pending: list[Pending],
+        chain: Sequence[bytes],
+        started: float,
+    ) -> None:
+        self._engine = engine
+        self._pending = pending
+        self._chain = chain
+        self._started = started
+        self._done = False
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens :meth:`commit` will store."""
+        return sum(p.chunk.num_tokens for p in self._pending)
+
+    def commit(self) -> int:
+        """Checksum and publish the chunks; returns the number of tokens stored.
+
+        Raises:
+            RuntimeError: committed or aborted already.
+        """
+        if self._done:
+            raise RuntimeError("StagedStore.commit(): committed or aborted already.")
+        self._done = True
+        if not self._pending:
+            return 0
+        try:
+            return self._engine._commit_store(self._pending, self._started, self._chain)
+        finally:
+            release_all(self._pending)
+
+    def abort(self) -> None:
+        """Release the buffers without publishing anything (idempotent)."""
+        self._done = True
+        release_all(self._pending)
 
 
 class _LayerwiseOp:

@@ -499,3 +499,29 @@ def test_process_tier_is_shared_by_a_fresh_engine_and_survives_close() -> None:
         assert private.lookup(tokens) == 0
     finally:
         reset_process_cpu_tiers()
+
+
+def test_copy_out_then_commit_in_two_halves() -> None:
+    """copy_out copies the pages (which may be overwritten right after) and publishes nothing;
+    commit publishes exactly the bytes copied; abort publishes nothing and frees the buffers."""
+    s = Setup(3)
+    tokens, src, dst = s.request(64)
+    expected = s.src.clone()
+    staged = s.engine.copy_out(tokens, None, src)
+    assert staged.num_tokens == 64
+    assert s.engine.lookup(tokens) == 0  # not visible before commit
+    s.src.fill_(7)  # the engine reuses its pages as soon as copy_out returned
+    assert staged.commit() == 64
+    with pytest.raises(RuntimeError, match="already"):
+        staged.commit()
+    assert s.engine.lookup(tokens) == 64
+    s.src.copy_(expected)  # check_loaded compares against the original source bytes
+    s.to_dst()
+    s.check_loaded(src, dst, s.engine.retrieve(tokens, None, dst))
+
+    other, src2, _ = s.request(32, seed=9)
+    used = s.engine.pool.used_bytes
+    aborted = s.engine.copy_out(other, None, src2)
+    assert s.engine.pool.used_bytes == used + 2 * CHUNK_BYTES
+    aborted.abort()
+    assert s.engine.pool.used_bytes == used and s.engine.lookup(other) == 0

@@ -144,5 +144,6 @@ def test_top_level_lazy_names() -> None:
         "LMCacheEngine",
         "LayerwiseRetrieve",
         "LayerwiseStore",
+        "StagedStore",
         "Tokens",
     ]
