@@ -196,8 +196,6 @@ def test_bad_slot_rejected_before_any_write(bad):
     # the connector's own check names the bad entry (not some later indexing error)
     why = r"-1 for tokens \[20\]" if bad < 0 else rf"slot {bad} is beyond the cache"
     with _buffers(conn, rng, "adjacent") as a:
-        for t in a:
-            t.copy_(torch.randn(t.shape).to(t.dtype))
         with pytest.raises(ValueError, match=why):
             conn.from_gpu(_chunks(rng, a), TransferSpec(slots))
         with pytest.raises(ValueError, match=why):
@@ -205,6 +203,8 @@ def test_bad_slot_rejected_before_any_write(bad):
         for x, y in zip(caches, before, strict=True):
             assert _eq(x, y)
         # skipping past the bad slot: loads tokens 21.. like the token-level reference path
+        for t in a:
+            t.copy_(torch.randn(t.shape).to(t.dtype))
         conn.to_gpu(_chunks(rng, a), TransferSpec(slots, skip_tokens=21))
         ref = _caches("one", 13)
         _conn(ref, blocks=False).to_gpu(_chunks(rng, a), TransferSpec(slots, skip_tokens=21))

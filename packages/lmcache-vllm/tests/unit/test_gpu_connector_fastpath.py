@@ -195,8 +195,6 @@ def test_bad_slot_rejected_and_engine_untouched(device, slots_on, bad):
     # the connector's own check names the bad entry (not some later indexing error)
     why = r"-1 for tokens \[20\]" if bad < 0 else rf"slot {bad} is beyond the cache"
     with _buffers(conn, rng, "adjacent") as a:
-        for t in a:
-            t.copy_(torch.randn(t.shape).to(t.dtype))
         chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, a, strict=True)]
         with pytest.raises(ValueError, match=why):
             conn.from_gpu(chunks, TransferSpec(slots))
@@ -205,7 +203,11 @@ def test_bad_slot_rejected_and_engine_untouched(device, slots_on, bad):
         conn.synchronize()
         for x, y in zip(caches, before, strict=True):
             assert _eq(x, y)
-        # skipping past the bad slot: loads tokens 21.. like the per-layer reference path
+        # skipping past the bad slot: loads tokens 21.. like the per-layer reference path.
+        # Fresh bytes first: a rejected from_gpu with device slots may have filled the buffers
+        # (its check answers after the copy), and loading those back would change nothing.
+        for t in a:
+            t.copy_(torch.randn(t.shape).to(t.dtype))
         conn.to_gpu(chunks, TransferSpec(slots, skip_tokens=21))
         conn.synchronize()
         ref_caches = _caches("lbnhc", md, device, 10)
