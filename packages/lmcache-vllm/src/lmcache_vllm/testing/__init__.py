@@ -7,6 +7,7 @@ is actually built).
 
 from __future__ import annotations
 
+from lmcache_vllm.testing.tiny_lora import build_random_lora
 from lmcache_vllm.testing.tiny_model import (
     FIRST_WORD_ID,
     SPECIAL_TOKENS,
@@ -18,6 +19,7 @@ from lmcache_vllm.testing.tiny_model import (
 __all__ = [
     "FIRST_WORD_ID",
     "SPECIAL_TOKENS",
+    "build_random_lora",
     "build_tiny_llama",
     "make_prompt",
     "vllm_engine_kwargs",
