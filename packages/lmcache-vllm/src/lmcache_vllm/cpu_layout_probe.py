@@ -3,7 +3,8 @@
 
 vLLM's CPU attention does not store K‖V on the last axis: per (block, head) it keeps K transposed
 (``[head_size, block_size]``) followed by V (``[block_size, head_size]``) — the ``cpu_kt_v``
-format of :mod:`lmcache_vllm.gpu_connector`. Other CPU kernels (e.g. AMX builds) might differ, so
+format of :mod:`lmcache_vllm.gpu_connector`; its ``amx`` kernels (bf16 on AMX CPUs) VNNI-pack
+both (``cpu_amx``), and other builds might differ again, so
 at ``register_kv_caches`` the adapter writes known keys and values into a scratch cache with
 vLLM's ``cpu_attn_reshape_and_cache`` and checks which format reads them back.
 """
@@ -62,7 +63,7 @@ def probe_cpu_kv_format(vllm_config: Any, layer_names: list[str], cache: torch.T
     want = torch.cat((key.reshape(bs, -1), value.reshape(bs, -1)), dim=1)
     blocks = torch.ones(bs, dtype=torch.long)
     offs = torch.arange(bs)
-    for fmt in ("cpu_kt_v", "kv_concat"):
+    for fmt in ("cpu_kt_v", "cpu_amx", "kv_concat"):
         conn = VLLMPagedConnector(
             LMCacheConfig(chunk_size=bs),
             md,
@@ -74,6 +75,6 @@ def probe_cpu_kv_format(vllm_config: Any, layer_names: list[str], cache: torch.T
     raise KVLayoutError(
         f"vLLM's CPU attention (isa={isa!r}) writes KV blocks in a format lmcache does not know "
         f"(cache {tuple(cache.shape)} {cache.dtype}); neither 'cpu_kt_v' (K transposed then V "
-        "per block and head) nor 'kv_concat' matched. Run without the connector or use a "
+        "per block and head), 'cpu_amx' nor 'kv_concat' matched. Run without the connector or use a "
         "block size / dtype that selects the 'vec' kernels."
     )

@@ -15,6 +15,9 @@ by the device default:
   logical shape with ``C = 2 * head_size``, but each ``(block, head)`` run of
   ``2 * block_size * head_size`` elements holds K *transposed* ``[head_size, block_size]``
   followed by V ``[block_size, head_size]``. The ``[b, h]`` run must be contiguous.
+- ``"cpu_amx"`` (vLLM's CPU attention ``amx`` kernels: bf16 on CPUs with AMX, block size a
+  multiple of 32): per ``(block, head)`` K then V as above, each VNNI-packed in pairs
+  (:func:`lmcache_vllm.kv_formats.amx_views`); moved token by token through a staging buffer.
 - ``"mla"``: one latent per token, ``[num_blocks, block_size, latent]`` or
   ``[num_blocks, 1, block_size, latent]``.
 
@@ -74,7 +77,7 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface,
         metadata: Geometry the caches must match.
         engine: ``EngineInfo(name="vllm", device=..., kv_caches=[per-layer tensors in layer
             order], extra={"block_size": ...})``.
-        layout_hints: Optional ``{"kv_format": "kv_concat" | "cpu_kt_v" | "mla"}``.
+        layout_hints: Optional ``{"kv_format": "kv_concat" | "cpu_kt_v" | "cpu_amx" | "mla"}``.
 
     Raises:
         KVLayoutError: the tensors do not match the metadata or the format (message gives the
@@ -141,7 +144,9 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface,
         self._kt_v_blocks = self.kv_format == "cpu_kt_v" and self.device.type == "cpu"
         if self._kt_v_blocks:
             self._setup_kt_v_blocks()
-        elif self.kv_format != "cpu_kt_v" and (self.device.type == "cpu" or self._use_staging):
+        elif self.kv_format in ("kv_concat", "mla") and (
+            self.device.type == "cpu" or self._use_staging
+        ):
             self._setup_fused()
 
     # -- geometry -------------------------------------------------------------------------
@@ -164,11 +169,16 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface,
                 f"kv heads, block_size, {expected_c} = head_k {md.head_size_k} + head_v "
                 f"{md.head_size_v}] (vLLM 0.32/0.33 per-layer view)"
             )
-        if self.kv_format == "cpu_kt_v":
+        if self.kv_format in ("cpu_kt_v", "cpu_amx"):
             if md.head_size_k != md.head_size_v:
                 raise KVLayoutError(
-                    f"layer {i}: cpu_kt_v needs head_k == head_v, found {md.head_size_k} and "
-                    f"{md.head_size_v}"
+                    f"layer {i}: {self.kv_format} needs head_k == head_v, found "
+                    f"{md.head_size_k} and {md.head_size_v}"
+                )
+            if self.kv_format == "cpu_amx" and (t.shape[2] % 32 or md.head_size_k % 32):
+                raise KVLayoutError(
+                    f"layer {i}: cpu_amx needs block_size and head size multiples of 32, found "
+                    f"{t.shape[2]} and {md.head_size_k}"
                 )
             n, c = t.shape[2], t.shape[3]
             if t.stride(3) != 1 or t.stride(2) != c:

@@ -13,9 +13,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KV_FORMATS", "describe", "gather_layer", "kt_v_views", "scatter_layer"]
+__all__ = [
+    "AMX_TILE",
+    "KV_FORMATS",
+    "amx_views",
+    "describe",
+    "gather_layer",
+    "kt_v_views",
+    "scatter_layer",
+]
 
-KV_FORMATS = ("kv_concat", "cpu_kt_v", "mla")
+KV_FORMATS = ("kv_concat", "cpu_kt_v", "cpu_amx", "mla")
 """Block formats :class:`~lmcache_vllm.gpu_connector.VLLMPagedConnector` understands."""
 
 
@@ -29,9 +37,29 @@ def kt_v_views(cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch
     ``[B, H, bs, head]`` views (each ``[b, h]`` run is K^T then V)."""
     bs = cache.shape[2]
     flat = cache.flatten(2)  # [B, H, 2 * bs * head]
-    kt = flat[:, :, : head_size * bs].unflatten(2, (head_size, bs))
-    vv = flat[:, :, head_size * bs :].unflatten(2, (bs, head_size))
+    kt = flat[:, :, : head_size * bs].unflatten(2, (head_size, bs))  # type: ignore[no-untyped-call]
+    vv = flat[:, :, head_size * bs :].unflatten(2, (bs, head_size))  # type: ignore[no-untyped-call]
     return kt, vv
+
+
+AMX_TILE = 16
+"""Rows of an AMX tile in vLLM's ``cpu_amx`` block format (16 tokens of K, 16 dims of V)."""
+
+
+def amx_views(cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cpu_amx`` layer ``[B, H, bs, 2 * head]`` -> K ``[B, H, bs/16, head/2, 16, 2]`` and V
+    ``[B, H, head/16, bs/2, 16, 2]`` views.
+
+    vLLM's AMX CPU attention (bf16, block size a multiple of 32) keeps each ``[b, h]`` run as K
+    then V, both VNNI-packed in pairs: ``K[t, d]`` at ``[t // 16, d // 2, t % 16, d % 2]`` and
+    ``V[t, d]`` at ``[d // 16, t // 2, d % 16, t % 2]``.
+    """
+    bsz = cache.shape[2]
+    t = AMX_TILE
+    flat = cache.flatten(2)  # [B, H, 2 * bs * head]
+    k = flat[:, :, : head_size * bsz].unflatten(2, (bsz // t, head_size // 2, t, 2))  # type: ignore[no-untyped-call]
+    v = flat[:, :, head_size * bsz :].unflatten(2, (head_size // t, bsz // 2, t, 2))  # type: ignore[no-untyped-call]
+    return k, v
 
 
 def gather_layer(
@@ -50,6 +78,11 @@ def gather_layer(
         k = x[:, :, :head_size_k].reshape(n, -1)
         v = x[:, :, head_size_k:].reshape(n, -1)
         return torch.cat((k, v), dim=1)
+    if fmt == "cpu_amx":
+        ka, va = amx_views(cache, head_size_k)
+        k = ka[blocks, :, offs // AMX_TILE, :, offs % AMX_TILE, :]  # [n, H, hs/2, 2]
+        v = va[blocks, :, :, offs // 2, :, offs % 2]  # [n, H, hs/16, 16]
+        return torch.cat((k.reshape(n, -1), v.reshape(n, -1)), dim=1)
     kt, vv = kt_v_views(cache, head_size_k)
     k = kt[blocks, :, :, offs]  # [n, H, hs]
     v = vv[blocks, :, offs, :]  # [n, H, hs]
@@ -75,6 +108,11 @@ def scatter_layer(
     v = src[:, num_kv_heads * head_size_k :].reshape(n, num_kv_heads, head_size_v)
     if fmt == "kv_concat":
         cache[blocks, :, offs, :] = torch.cat((k, v), dim=2)
+        return
+    if fmt == "cpu_amx":
+        ka, va = amx_views(cache, head_size_k)
+        ka[blocks, :, offs // AMX_TILE, :, offs % AMX_TILE, :] = k.unflatten(-1, (-1, 2))  # type: ignore[no-untyped-call]
+        va[blocks, :, :, offs // 2, :, offs % 2] = v.unflatten(-1, (-1, AMX_TILE))  # type: ignore[no-untyped-call]
         return
     kt, vv = kt_v_views(cache, head_size_k)
     kt[blocks, :, :, offs] = k
