@@ -12,7 +12,7 @@ or, with the ``vllm.general_plugins`` entry point installed (:mod:`lmcache_vllm.
 ``LMCacheConnectorV1`` (without a module path) reaches the same implementation through
 ``lmcache.integration.vllm.vllm_v1_adapter``. This class is a thin delegate to
 :class:`lmcache_vllm.vllm_v1_adapter.LMCacheConnectorV1Impl`; unlike vLLM's in-tree wrapper it
-also forwards ``reset_cache`` and lmcache's connector stats and Prometheus counters.
+forwards everything; the in-tree wrapper gets the hooks it lacks from :mod:`lmcache_vllm.in_tree`.
 """
 
 from __future__ import annotations
@@ -43,13 +43,16 @@ if TYPE_CHECKING:
 __all__ = ["LMCacheConnector", "LMCacheConnectorV1"]
 
 
-class LMCacheConnectorV1(KVConnectorBase_V1):
+class LMCacheConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM KV connector backed by lmcache (see the module docstring)."""
+
+    _lmcache_native = True  # the implementation needs no hooks attached (lmcache_vllm.in_tree)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        value = extra_config.get("lmcache.use_layerwise", extra_config.get("use_layerwise"))
-        return str(value).lower() in ("1", "true", "yes")
+        from lmcache_vllm.in_tree import use_layerwise_for
+
+        return use_layerwise_for(extra_config)
 
     def __init__(
         self,
@@ -67,6 +70,9 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._impl.bind_connector_metadata(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._impl.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._impl.start_load_kv(forward_context, **kwargs)

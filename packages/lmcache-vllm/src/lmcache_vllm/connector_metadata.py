@@ -53,21 +53,40 @@ class SaveSpec:
 
 @dataclass
 class ReqMeta:
-    """One request's work for this step (plain data: pickled to the workers)."""
+    """One request's work for this step (plain data: pickled to the workers).
+
+    Attributes:
+        req_id: vLLM's request id.
+        token_ids: The request's tokens up to the end of what is loaded or saved.
+        block_ids: The request's KV block ids (first KV-cache group), in token order.
+        salt: Key salt derived from the request (cache salt, LoRA adapter), see
+            :mod:`lmcache_vllm.request_keys`.
+        extra_keys: Per-chunk key material (multimodal item hashes), chunk index -> bytes.
+        load: What to load this step, if anything.
+        save: What to save this step, if anything.
+    """
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     salt: str = ""
+    extra_keys: dict[int, bytes] = field(default_factory=dict)
     load: LoadSpec | None = None
     save: SaveSpec | None = None
 
 
 @dataclass
-class LMCacheConnectorMetadata(_VllmMetadata):
-    """Per-step metadata from the scheduler-side connector to the workers."""
+class LMCacheConnectorMetadata(_VllmMetadata):  # type: ignore[misc]
+    """Per-step metadata from the scheduler-side connector to the workers.
+
+    Attributes:
+        requests: Loads and saves of this step.
+        preempted: Requests vLLM preempted since the last step: their blocks are about to be
+            reused, so the workers finish reading them (in-flight saves) first.
+    """
 
     requests: list[ReqMeta] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -79,6 +98,7 @@ class Tracker:
     block_ids: list[int]
     salt: str
     num_saved: int  # tokens known stored (chunk aligned)
+    extra_keys: dict[int, bytes] = field(default_factory=dict)
 
 
 @dataclass
@@ -95,6 +115,7 @@ class WorkerStats:
     stored_bytes: int = 0
     num_loads: int = 0
     num_saves: int = 0
+    expired_leases: int = 0
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.__dict__.items()}

@@ -257,7 +257,7 @@ class KtVBlockTransfer:
             )
         else:
             tok = tok.unsqueeze(0)
-        rows = tok.unflatten(2, (g, bs)).unflatten(-1, (2, md.num_kv_heads, md.head_size_k))
+        rows = tok.unflatten(2, (g, bs)).unflatten(-1, (2, md.num_kv_heads, md.head_size_k))  # type: ignore[no-untyped-call]
         k = rows[..., 0, :, :].permute(0, 1, 2, 4, 5, 3)  # [c, nl, G, H, hs, bs]
         v = rows[..., 1, :, :].permute(0, 1, 2, 4, 3, 5)  # [c, nl, G, H, bs, hs]
         return k, v, _widen16(v)

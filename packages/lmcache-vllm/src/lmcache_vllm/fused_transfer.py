@@ -46,8 +46,12 @@ def fuse_layers(caches: Sequence[torch.Tensor]) -> torch.Tensor | None:
     first = caches[0]
     if first.numel() == 0:
         return None
-    span = 1 + sum((n - 1) * abs(st) for n, st in zip(first.shape, first.stride(), strict=True))
-    step = caches[1].storage_offset() - first.storage_offset() if len(caches) > 1 else span
+    span = 1 + sum(
+        (int(n) - 1) * abs(int(st)) for n, st in zip(first.shape, first.stride(), strict=True)
+    )
+    step = (
+        int(caches[1].storage_offset()) - int(first.storage_offset()) if len(caches) > 1 else span
+    )
     if abs(step) < span:
         return None  # layers alias or overlap: one fused write would race
     base = first.untyped_storage().data_ptr()
@@ -232,7 +236,7 @@ class FusedTransfer:
         else:
             view = fused.permute(0, 1, 3, 2, 4)  # [L, B, N, H, C]
             if md.head_size_k == md.head_size_v:
-                view = view.unflatten(-1, (2, md.head_size_k)).transpose(3, 4)
+                view = view.unflatten(-1, (2, md.head_size_k)).transpose(3, 4)  # type: ignore[no-untyped-call]
             else:
                 self._fused_split = True
         if not self._fused_split:
@@ -390,7 +394,7 @@ class FusedTransfer:
             if self.device.type != "cuda":
                 return idx, lambda: None
             on_dev = idx.to(self.device, non_blocking=True)
-            self._pinned_idx_done = torch.cuda.Event()
+            self._pinned_idx_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._pinned_idx_done.record()
             return on_dev, lambda: None
         slots = slots.to(self.device, torch.int64)
@@ -400,7 +404,7 @@ class FusedTransfer:
             self._pinned_lo_hi = torch.empty(2, dtype=torch.int64, pin_memory=True)
         lo_hi = self._pinned_lo_hi  # read back within this call (check), so reuse is safe
         lo_hi.copy_(torch.stack(torch.aminmax(kept)), non_blocking=True)
-        answered = torch.cuda.Event()
+        answered = torch.cuda.Event()  # type: ignore[no-untyped-call]
         answered.record()
         slots = slots.clamp(0, limit - 1)
         if rows == 1:
@@ -454,9 +458,9 @@ class FusedTransfer:
         if self._fused_split:
             view = region.view(self.dtype).view(op.g, nl, op.n, self.kv_width)
         else:
-            a = self._fused
-            row = a.shape[2:] if self._fused_by_slot else a.shape[3:]
-            view = region.view(a.dtype).view(op.g, nl, op.n, *row)
+            fused = self._fused
+            row = fused.shape[2:] if self._fused_by_slot else fused.shape[3:]
+            view = region.view(fused.dtype).view(op.g, nl, op.n, *row)
         if op.t0:
             view = view[:, :, op.t0 :]
         return [lids, *tok.unbind(0)], view
@@ -465,8 +469,8 @@ class FusedTransfer:
         """``[..., kv_width]`` -> K ``[..., H, head_k]`` and V ``[..., H, head_v]`` views."""
         md = self.metadata
         nk = md.num_kv_heads * md.head_size_k
-        k = rows[..., :nk].unflatten(-1, (md.num_kv_heads, md.head_size_k))
-        v = rows[..., nk:].unflatten(-1, (md.num_kv_heads, md.head_size_v))
+        k = rows[..., :nk].unflatten(-1, (md.num_kv_heads, md.head_size_k))  # type: ignore[no-untyped-call]
+        v = rows[..., nk:].unflatten(-1, (md.num_kv_heads, md.head_size_v))  # type: ignore[no-untyped-call]
         return k, v
 
     def _gather(
@@ -519,7 +523,7 @@ class FusedTransfer:
         if plan.pieces <= 1:
             return None
         if self._copy_stream_obj is None:
-            self._copy_stream_obj = torch.cuda.Stream(self.device)
+            self._copy_stream_obj = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         return self._copy_stream_obj
 
     def _fused_from(

@@ -2,7 +2,8 @@
 """``vllm.general_plugins`` entry point: registers the connector name ``LMCacheConnector``.
 
 vLLM calls :func:`register` in every process it starts (engine core, workers, API server);
-registering twice is harmless.
+registering twice is harmless. It also gives vLLM's in-tree ``LMCacheConnectorV1`` class the
+class-level hooks it lacks (stats, Prometheus, CUDA-graph mode; :mod:`lmcache_vllm.in_tree`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ def register() -> None:
     except ImportError:  # vLLM without the v1 connector API: nothing to register with
         logger.warning("lmcache-vllm plugin: vLLM's KVConnectorFactory is not importable")
         return
+    from lmcache_vllm.in_tree import patch_in_tree_class
+
+    patch_in_tree_class()
     if CONNECTOR_NAME in KVConnectorFactory._registry:
         return
     # ValueError: registered meanwhile by another thread or import path

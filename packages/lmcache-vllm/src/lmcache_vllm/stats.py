@@ -28,12 +28,16 @@ COUNTERS: dict[str, str] = {
     "save_seconds": "Seconds spent saving KV to lmcache.",
     "num_loads": "Request loads performed.",
     "num_saves": "Request saves performed.",
+    "expired_leases": "Lookup hits whose leased chunks were released unused after the timeout.",
+    "scheduler_failures": "Scheduler-side lmcache failures turned into misses (never errors).",
+    "skipped_requests": "Requests neither stored nor loaded: their KV cannot be keyed safely "
+    "(e.g. prompt embeddings).",
 }
 """Counter keys of the stats payload and their Prometheus documentation."""
 
 
 @dataclass
-class LMCacheKVConnectorStats(KVConnectorStats):
+class LMCacheKVConnectorStats(KVConnectorStats):  # type: ignore[misc]
     """Summed counters (plain floats: serialisable) over an interval."""
 
     def __post_init__(self) -> None:
@@ -57,13 +61,15 @@ class LMCacheKVConnectorStats(KVConnectorStats):
             "lmcache stored tokens": int(d.get("stored_tokens", 0)),
             "lmcache load time (ms)": round(float(d.get("load_seconds", 0.0)) * 1e3, 3),
             "lmcache save time (ms)": round(float(d.get("save_seconds", 0.0)) * 1e3, 3),
+            "lmcache skipped requests": int(d.get("skipped_requests", 0)),
+            "lmcache scheduler failures": int(d.get("scheduler_failures", 0)),
         }
 
     def is_empty(self) -> bool:
         return not any(float(v) for v in self.data.values())
 
 
-class LMCachePromMetrics(KVConnectorPromMetrics):
+class LMCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     """Counters ``vllm:lmcache_<key>`` (``<key>`` from :data:`COUNTERS`), per engine."""
 
     def __init__(

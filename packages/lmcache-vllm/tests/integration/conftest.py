@@ -22,9 +22,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-pytest.importorskip("vllm", reason="integration tests need vLLM (nox -s vllm)")
-
 import contextlib
+
+import vllm  # noqa: F401  - in `nox -s vllm` a missing or broken vLLM must fail, not skip
 
 from lmcache_vllm.testing import build_tiny_llama, make_prompt
 

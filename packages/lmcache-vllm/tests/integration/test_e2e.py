@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmcache.keys import chunk_keys
+
 from .conftest import CHUNK, MODULE_PATH_KTC, PROMPTS, ktc, process_tier
 
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
@@ -97,16 +99,23 @@ def test_corrupted_kv_changes_the_output(run, baseline):
 
 
 def test_checksum_failure_is_recomputed_not_loaded(run, baseline):
-    """Corrupt bytes with checksums on: lookup still claims a hit, the load fails, vLLM is
-    told which blocks failed and recomputes them: the output stays correct."""
+    """Corrupt bytes with checksums on: the lookup verifies the chunks it leases, so it claims
+    only the intact prefix; vLLM computes the rest and no promised load fails."""
     run([PROMPTS["p300"]], ktc())
     tier = process_tier()
+    (owner,) = {entry.owner for entry in tier._entries.values()}  # the engine's fingerprint
+    keys = chunk_keys(PROMPTS["p300"], owner, CHUNK, salt="\0")  # config salt "" + "\0" + ""
+    good = {2: tier._entries[keys[2]].lease.tensor.clone()}
     with torch.inference_mode():
-        for entry in list(tier._entries.values())[2:]:  # chunks 2 and 3
-            entry.lease.tensor.mul_(-3)
+        for key in keys[2:4]:  # chunks 2 and 3
+            tier._entries[key].lease.tensor.mul_(-3)
     warm = run([PROMPTS["p300"]], ktc())
     assert warm.tokens[0] == baseline["p300"]
-    assert tier.metrics.checksum_failures._value.get() >= 1
+    assert warm.cached == [128]  # chunks 0-1 only
+    lm = {k: v for k, v in warm.metrics.items() if k.startswith("vllm:lmcache_")}
+    assert lm.get("vllm:lmcache_failed_load_tokens", 0) == 0, lm
+    # the mismatching chunk 2 was dropped at lookup and stored again from vLLM's recompute
+    torch.testing.assert_close(tier._entries[keys[2]].lease.tensor, good[2], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

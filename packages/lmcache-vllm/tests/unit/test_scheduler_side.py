@@ -11,33 +11,57 @@ import pytest
 import torch
 
 from lmcache_vllm import vllm_v1_adapter as adapter
+from lmcache_vllm.request_keys import RequestKeyer
 
 CHUNK, BLOCK = 64, 16
 
 
 class FakeClient:
+    """Stands in for the worker ranks' lookup servers (tested on real sockets in test_lookup)."""
+
     def __init__(self, hit: int) -> None:
         self.hit = hit
+        self.queries = []
 
-    def lookup(self, tokens, salt=""):
-        return min(self.hit, len(tokens))
+    def lookup(self, query):
+        self.queries.append(query)
+        return min(self.hit, len(query.tokens))
+
+    def close(self):
+        pass
 
 
-def make_impl(hit: int, **lmcache):
+def make_impl(hit: int, kv_role: str = "kv_both", **lmcache):
     extra = {"lmcache.chunk_size": CHUNK, **{f"lmcache.{k}": v for k, v in lmcache.items()}}
     cfg = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(
-            kv_role="kv_both",
+            kv_role=kv_role,
             engine_id="e",
             kv_connector_extra_config=extra,
             kv_load_failure_policy="fail",
         ),
         cache_config=SimpleNamespace(block_size=BLOCK),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, rank=0),
+        instance_id="i0",
     )
     impl = adapter.LMCacheConnectorV1Impl(cfg, SimpleNamespace(name="SCHEDULER"), None)
-    impl._lookup_client = FakeClient(hit)
+    impl.scheduler._lookup_client = FakeClient(hit)
     return impl, cfg
+
+
+def make_worker():
+    cfg = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_role="kv_both",
+            engine_id="e",
+            kv_connector_extra_config={"lmcache.chunk_size": CHUNK},
+        ),
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, rank=0),
+        instance_id="i0",
+    )
+    impl = adapter.LMCacheConnectorV1Impl(cfg, SimpleNamespace(name="WORKER"), None)
+    return impl.worker
 
 
 def request(rid, prompt, salt=None):
@@ -76,10 +100,10 @@ def schedule_new(impl, req, num_local, blocks, scheduled):
     return ext, impl.build_connector_meta(out)
 
 
-def test_config_and_failure_policy():
+def test_config_and_failure_policy_left_as_set():
     impl, cfg = make_impl(0)
-    assert impl.chunk_size == CHUNK
-    assert cfg.kv_transfer_config.kv_load_failure_policy == "recompute"
+    assert impl.config.chunk_size == CHUNK
+    assert cfg.kv_transfer_config.kv_load_failure_policy == "fail"  # the user's, untouched
 
 
 def test_partial_hit_loads_beyond_vllm_and_saves_the_rest():
@@ -90,7 +114,14 @@ def test_partial_hit_loads_beyond_vllm_and_saves_the_rest():
     (r,) = meta.requests
     assert r.load == adapter.LoadSpec(vllm_cached=64, lmcache_hit=192, load_end=192)
     assert r.save == adapter.SaveSpec(skip=192, end=256)  # 300 computed: 4 full chunks
-    assert r.salt == "t1" and r.token_ids == list(range(256))
+    # the salt travels as a fixed-size digest of the request's cache_salt, the same one the
+    # lookup used (so the worker's keys match the scheduler's promise)
+    (query,) = impl.scheduler._lookup_client.queries
+    assert r.salt == query.salt == RequestKeyer(CHUNK).key(req).salt
+    assert (
+        len(r.salt) == 32 and r.salt != RequestKeyer(CHUNK).key(request("a", [1], salt="t2")).salt
+    )
+    assert r.token_ids == list(range(256))
     restored = pickle.loads(pickle.dumps(meta))
     assert restored.requests[0] == r
 
@@ -116,7 +147,7 @@ def test_vllm_declining_the_load_drops_it():
     req = request("d", list(range(200)))
     assert impl.get_num_new_matched_tokens(req, 0) == 128
     impl.update_state_after_alloc(req, 0)
-    assert "d" not in impl._load_specs
+    assert "d" not in impl.scheduler._load_specs
 
 
 def test_chunked_prefill_saves_chunk_aligned_then_the_tail():
@@ -156,12 +187,13 @@ def test_finished_requests_are_forgotten():
     impl, _ = make_impl(hit=0)
     req = request("g", list(range(100)))
     schedule_new(impl, req, 0, list(range(1, 8)), 100)
+    # vLLM frees the blocks at once (workers fence their reuse until queued saves copied them)
     assert impl.request_finished(req, [1, 2]) == (False, None)
-    assert "g" not in impl._trackers and impl.get_kv_events() == []
+    assert "g" not in impl.scheduler._trackers and impl.get_kv_events() == []
 
 
 def test_slot_mapping_and_mask():
-    impl, _ = make_impl(hit=0)
+    impl = make_worker()
     req = adapter.ReqMeta("x", list(range(40)), block_ids=[7, 3, 9])
     slots = impl._slot_mapping(req, 40)
     assert slots[:3].tolist() == [112, 113, 114]
@@ -172,7 +204,7 @@ def test_slot_mapping_and_mask():
 
 
 def test_load_shortfall_reports_blocks():
-    impl, _ = make_impl(hit=0)
+    impl = make_worker()
     req = adapter.ReqMeta(
         "y",
         list(range(256)),
@@ -181,13 +213,12 @@ def test_load_shortfall_reports_blocks():
     )
     loaded = torch.zeros(256, dtype=torch.bool)
     loaded[:128] = True  # chunks 0-1 loaded, 2-3 missing
-    impl._record_load(req, loaded, 256)
+    impl._record_load(req, loaded)
     assert impl.get_block_ids_with_load_errors() == set(range(18, 26))
     assert impl.get_block_ids_with_load_errors() == set()
 
 
 @pytest.mark.parametrize("hit", [0, 100])
 def test_kv_producer_never_loads(hit):
-    impl, _ = make_impl(hit=hit)
-    impl.kv_role = "kv_producer"
+    impl, _ = make_impl(hit=hit, kv_role="kv_producer")
     assert impl.get_num_new_matched_tokens(request("z", list(range(300))), 0) == 0

@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What vLLM's registered KV caches say about the model: layer order, geometry, fingerprint.
+
+:func:`order_caches` puts vLLM's ``{layer name: cache}`` in layer order; :func:`build_metadata`
+reads the geometry from the real tensors (shape and dtype, never assumed) and every
+configuration fact that changes the KV bytes (model, revision, quantization, KV-cache dtype,
+tensor-parallel rank) into :class:`~lmcache.metadata.LMCacheMetadata`, whose fingerprint seeds
+every chunk key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lmcache.gpu_connector import KVLayoutError
+from lmcache.metadata import LMCacheMetadata
+from lmcache_vllm.cpu_layout_probe import probe_cpu_kv_format
+from lmcache_vllm.utils import calculate_local_rank_and_world_size
+
+__all__ = ["build_metadata", "order_caches"]
+
+
+def _layer_index(name: str, fallback: int) -> int:
+    try:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        return int(extract_layer_index(name))
+    except Exception:
+        return fallback
+
+
+def order_caches(kv_caches: dict[str, torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
+    """Layer names and caches in layer order.
+
+    Raises:
+        KVLayoutError: vLLM registered no caches.
+    """
+    if not kv_caches:
+        raise KVLayoutError("vLLM registered no KV caches with the lmcache connector")
+    names = list(kv_caches)
+    order = sorted(range(len(names)), key=lambda i: (_layer_index(names[i], i), i))
+    names = [names[i] for i in order]
+    return names, [kv_caches[n] for n in names]
+
+
+def build_metadata(
+    vllm_config: Any,
+    names: list[str],
+    caches: list[torch.Tensor],
+    *,
+    chunk_size: int,
+    world_size: int,
+    rank: int,
+) -> tuple[LMCacheMetadata, dict[str, Any]]:
+    """The metadata and connector layout hints of vLLM's caches ``[num_blocks, kv_heads,
+    block_size, head_k + head_v]`` per layer (MLA: ``[num_blocks, block_size, latent]``).
+
+    Raises:
+        KVLayoutError: a cache that is not one of those views.
+    """
+    vc = vllm_config
+    mc = vc.model_config
+    first = caches[0]
+    use_mla = bool(getattr(mc, "use_mla", False))
+    if use_mla:
+        heads, hk, hv = 1, int(first.shape[-1]), 0
+    else:
+        if first.dim() != 4:
+            raise KVLayoutError(
+                f"vLLM KV cache {tuple(first.shape)} strides {tuple(first.stride())}: expected "
+                "the per-layer view [num_blocks, kv_heads, block_size, head_k + head_v]"
+            )
+        heads = int(first.shape[1])
+        hk = int(mc.get_head_size())
+        hv = int(first.shape[3]) - hk
+    cache_dtype = str(getattr(vc.cache_config, "cache_dtype", "auto") or "auto")
+    kv_cache_dtype = "" if cache_dtype == "auto" else f"{cache_dtype}/{getattr(mc, 'dtype', '')}"
+    local_rank, local_world = calculate_local_rank_and_world_size(vc)
+    metadata = LMCacheMetadata(
+        model_name=str(mc.model),
+        world_size=world_size,
+        worker_id=rank,
+        local_worker_id=local_rank,
+        local_world_size=local_world,
+        kv_dtype=first.dtype,
+        num_layers=len(caches),
+        num_kv_heads=heads,
+        head_size_k=hk,
+        head_size_v=hv,
+        use_mla=use_mla,
+        chunk_size=chunk_size,
+        model_revision=str(getattr(mc, "revision", None) or ""),
+        quantization=str(getattr(mc, "quantization", None) or ""),
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    hints: dict[str, Any] = {}
+    if use_mla:
+        hints["kv_format"] = "mla"
+    elif first.device.type == "cpu":
+        hints["kv_format"] = probe_cpu_kv_format(vc, names, first)
+    return metadata, hints

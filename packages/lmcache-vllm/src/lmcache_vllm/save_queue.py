@@ -1,0 +1,159 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Saves off the step: a two-stage pipeline of copy jobs and commit jobs on background threads.
+
+The worker enqueues a request's save in ``wait_for_save`` and returns at once. A save is two
+jobs:
+
+1. **copy** (copier thread, in submission order): copies the KV out of vLLM's pages into leased
+   host buffers (``LMCacheEngine.copy_out``; on CUDA on a store stream ordered after the step's
+   compute). Until it is done the pages must not change.
+2. **commit** (committer thread): checksums the buffers and publishes the chunks, so they become
+   visible to lookups only when complete. It reads host memory only.
+
+vLLM may reuse a request's blocks once it finished or was preempted, but only a *later* step
+writes them, and every step starts with :meth:`SaveQueue.wait_copied` (the worker's
+``bind_connector_metadata``): a block is never rewritten while a save reads it, and vLLM frees
+blocks at once (``request_finished`` returns ``False``), as its own OffloadingConnector does.
+
+A job that raises is logged and dropped (its chunks are not stored); the threads never die of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+__all__ = ["CommitJob", "CopyJob", "SaveQueue"]
+
+logger = logging.getLogger(__name__)
+
+CommitJob = Callable[[], None]
+"""Publishes what a copy staged (may run on another thread)."""
+CopyJob = Callable[[], CommitJob | None]
+"""Copies a save's bytes; returns its commit job (``None``: nothing to commit)."""
+
+
+class _Stage:
+    """One worker thread over a FIFO, with a count of queued + running jobs."""
+
+    def __init__(self, name: str, run: Callable[[str, Callable[[], object]], None]) -> None:
+        self.jobs: deque[tuple[str, Callable[[], object]]] = deque()
+        self.pending = 0
+        self.cond = threading.Condition()
+        self.closed = False
+        self._run_one = run
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def put(self, req_id: str, job: Callable[[], object]) -> None:
+        with self.cond:
+            if self.closed:
+                raise RuntimeError("SaveQueue.submit after close(); the worker is shutting down")
+            self.pending += 1
+            self.jobs.append((req_id, job))
+            self.cond.notify_all()
+
+    def wait_idle(self, deadline: float | None) -> bool:
+        with self.cond:
+            while self.pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.cond.wait(left)
+            return True
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.jobs and not self.closed:
+                    self.cond.wait()
+                if not self.jobs:
+                    return  # closed and drained
+                req_id, job = self.jobs.popleft()
+            try:
+                self._run_one(req_id, job)
+            finally:
+                with self.cond:
+                    self.pending -= 1
+                    self.cond.notify_all()
+
+
+class SaveQueue:
+    """Copy jobs in submission order on one thread, their commits on another.
+
+    Args:
+        name: Prefix of the two thread names.
+    """
+
+    def __init__(self, name: str = "lmcache-save") -> None:
+        self._commits = _Stage(f"{name}-commit", self._run_commit)
+        self._copies = _Stage(f"{name}-copy", self._run_copy)
+
+    def submit(self, req_id: str, copy: CopyJob) -> None:
+        """Queue a save of ``req_id``: ``copy`` runs after every copy queued before it, then
+        the commit job it returns.
+
+        Raises:
+            RuntimeError: the queue is closed.
+        """
+        self._copies.put(req_id, copy)
+
+    def _run_copy(self, req_id: str, job: Callable[[], object]) -> None:
+        try:
+            commit = job()
+        except BaseException:
+            logger.exception(
+                "lmcache: save of request %s failed; its chunks are not stored", req_id
+            )
+            return
+        if callable(commit):
+            self._commits.put(req_id, commit)
+
+    @staticmethod
+    def _run_commit(req_id: str, job: Callable[[], object]) -> None:
+        try:
+            job()
+        except BaseException:
+            logger.exception(
+                "lmcache: save of request %s failed; its chunks are not stored", req_id
+            )
+
+    def wait_copied(self, timeout: float | None = None) -> bool:
+        """Block until every queued copy is done (vLLM's pages are no longer read).
+
+        Returns:
+            ``False`` when ``timeout`` seconds passed first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._copies.wait_idle(deadline)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every queued save is copied and committed.
+
+        Returns:
+            ``False`` when ``timeout`` seconds passed first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._copies.wait_idle(deadline) and self._commits.wait_idle(deadline)
+
+    def close(self, timeout: float | None = 60.0) -> bool:
+        """Finish what is queued, then stop both threads (idempotent).
+
+        Returns:
+            ``False`` when the queue did not drain within ``timeout`` seconds.
+        """
+        drained = self.wait(timeout)
+        self._copies.close()
+        self._commits.close()
+        if drained:
+            self._copies.thread.join(timeout)
+            self._commits.thread.join(timeout)
+        return drained

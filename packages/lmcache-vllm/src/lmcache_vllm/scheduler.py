@@ -1,0 +1,361 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Scheduler side of the lmcache connector: what to load and save for each request.
+
+vLLM calls these from its scheduler loop, so nothing here may raise into vLLM: every entry point
+turns an lmcache-side failure (a hostile request field, a worker that does not answer, a bug)
+into a miss for that request, logged once per kind of failure and counted
+(``scheduler_failures`` in the connector stats).
+
+Per request:
+
+1. :meth:`SchedulerSide.get_num_new_matched_tokens`: derives the request's key material
+   (:mod:`lmcache_vllm.request_keys`), asks every worker rank in parallel how many leading
+   prompt tokens lmcache holds (:mod:`lmcache_vllm.lookup`; each rank *leases* the chunks it
+   found, so they cannot be evicted before the load) and reports the tokens beyond vLLM's own
+   prefix-cache hit (one less on a full hit, so vLLM computes the last token).
+2. :meth:`SchedulerSide.update_state_after_alloc` then :meth:`SchedulerSide.build_connector_meta`:
+   records what to load (``[vllm_cached, load_end)``) and what to save (tokens computed this
+   step that are not saved yet) in plain dataclasses pickled to the workers.
+3. :meth:`SchedulerSide.request_finished`: forgets the request. vLLM frees its blocks at once:
+   saves are asynchronous, but every worker step first waits until queued saves have copied
+   their pages (:mod:`lmcache_vllm.save_queue`), so a freed block is never rewritten while a
+   save reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar
+
+from lmcache.config import LMCacheConfig
+from lmcache_vllm.connector_metadata import (
+    LMCacheConnectorMetadata,
+    LoadSpec,
+    ReqMeta,
+    SaveSpec,
+    Tracker,
+)
+from lmcache_vllm.lookup import LookupClient, LookupQuery
+from lmcache_vllm.request_keys import RequestKey, RequestKeyer
+
+__all__ = ["SchedulerSide", "engine_key"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+def engine_key(vllm_config: Any) -> str:
+    """Names one engine instance: ``kv_transfer_config.engine_id``, ``vllm_config.instance_id``
+    and the data-parallel rank.
+
+    Scheduler and workers of one engine share it (the config is pickled to every process); two
+    engines in one process or on one host, or two data-parallel replicas, never do.
+    """
+    ktc = vllm_config.kv_transfer_config
+    engine_id = str(getattr(ktc, "engine_id", None) or "lmcache-default")
+    instance = str(getattr(vllm_config, "instance_id", "") or "")
+    pc = getattr(vllm_config, "parallel_config", None)
+    dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
+    return f"{engine_id}:{instance}:dp{dp_rank}"
+
+
+class SchedulerSide:
+    """Scheduler-side state of the lmcache connector (see the module docstring).
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig``.
+        config: lmcache configuration.
+        world_size: Worker ranks holding shards (tensor x pipeline parallel).
+        local_world_size: Ranks on this node; when smaller than ``world_size`` lookups cannot
+            reach every rank and nothing is loaded (said once at start-up).
+    """
+
+    def __init__(
+        self, vllm_config: Any, config: LMCacheConfig, world_size: int, local_world_size: int
+    ) -> None:
+        ktc = vllm_config.kv_transfer_config
+        self.kv_role: str = getattr(ktc, "kv_role", None) or "kv_both"
+        self.config = config
+        self.chunk_size = config.chunk_size
+        self.engine_key = engine_key(vllm_config)
+        self.world_size = world_size
+        self._keyer = RequestKeyer(self.chunk_size)
+        self._lookup_client: LookupClient | None = None
+        self._load_specs: dict[str, LoadSpec] = {}
+        self._trackers: dict[str, Tracker] = {}
+        self._requests: dict[str, Any] = {}
+        self._keys: dict[str, RequestKey] = {}
+        self._preempted: list[str] = []
+        self._failures_logged: set[tuple[str, str]] = set()
+        self.stats = {"scheduler_failures": 0, "skipped_requests": 0}
+        self.loads_enabled = self.kv_role != "kv_producer"
+        if world_size > local_world_size:
+            self.loads_enabled = False
+            logger.warning(
+                "lmcache: this engine's %d worker ranks span several nodes (%d on this node); "
+                "lookups reach only this node's ranks, so lmcache loads nothing for this engine "
+                "(every prompt is computed) and only stores. Run each engine within one node to "
+                "get hits.",
+                world_size,
+                local_world_size,
+            )
+
+    # ------------------------------------------------------------------ failures
+
+    def _guard(self, where: str, request_id: str, default: _T, fn: Callable[[], _T]) -> _T:
+        """Run ``fn``; on any exception :meth:`_failed` and return ``default``."""
+        try:
+            return fn()
+        except Exception as exc:
+            self._failed(where, request_id, exc)
+            return default
+
+    def _failed(self, where: str, request_id: str, exc: Exception) -> None:
+        """Count a failure, log it once per (where, type), forget the request's load."""
+        self.stats["scheduler_failures"] += 1
+        self._load_specs.pop(request_id, None)
+        kind = (where, type(exc).__name__)
+        if kind in self._failures_logged:
+            return
+        self._failures_logged.add(kind)
+        logger.warning(
+            "lmcache: %s failed for request %s (%r); treating it as a miss. Further %s errors "
+            "in %s are counted, not logged.",
+            where,
+            request_id,
+            exc,
+            kind[1],
+            where,
+            exc_info=exc,
+        )
+
+    def _client(self) -> LookupClient:
+        if self._lookup_client is None:
+            self._lookup_client = LookupClient(self.engine_key, self.world_size)
+        return self._lookup_client
+
+    def _key(self, request: Any) -> RequestKey:
+        rid = str(request.request_id)
+        key = self._keys.get(rid)
+        if key is None:
+            key = self._keyer.key(request)
+            if key.skip_reason is not None:
+                self.stats["skipped_requests"] += 1
+                logger.debug("lmcache: request %s not cached: %s", rid, key.skip_reason)
+            self._keys[rid] = key
+        return key
+
+    # ------------------------------------------------------------------ vLLM entry points
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens lmcache can load beyond the ``num_computed_tokens`` vLLM holds (0 on any
+        failure)."""
+        rid = str(getattr(request, "request_id", "?"))
+        return self._guard(
+            "lookup", rid, 0, lambda: self._matched(request, rid, num_computed_tokens)
+        )
+
+    def _matched(self, request: Any, rid: str, num_computed_tokens: int) -> int:
+        self._load_specs.pop(rid, None)
+        if not self.loads_enabled:
+            return 0
+        key = self._key(request)
+        tokens = list(request.prompt_token_ids or [])
+        if key.skip_reason is not None or not tokens:
+            return 0
+        query = LookupQuery(rid, tokens, key.salt, _extra_for(key.extra_keys, len(tokens), self))
+        hit = self._client().lookup(query)
+        usable = min(hit, int(request.num_tokens) - 1)  # vLLM must compute >= 1 token
+        need = usable - num_computed_tokens
+        if need <= 0:
+            return 0
+        self._load_specs[rid] = LoadSpec(vllm_cached=num_computed_tokens, lmcache_hit=hit)
+        logger.debug(
+            "lmcache: request %s: %d prompt tokens, vLLM holds %d, lmcache %d, loading %d",
+            rid,
+            len(tokens),
+            num_computed_tokens,
+            hit,
+            need,
+        )
+        return need
+
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        """Remember the request; arm its load when vLLM accepted external tokens."""
+        rid = str(getattr(request, "request_id", "?"))
+
+        def _update() -> None:
+            self._requests[rid] = request
+            spec = self._load_specs.get(rid)
+            if spec is None:
+                return
+            if num_external_tokens <= 0:
+                del self._load_specs[rid]
+                return
+            spec.load_end = spec.vllm_cached + num_external_tokens
+
+        self._guard("update_state_after_alloc", rid, None, _update)
+
+    def build_connector_meta(self, scheduler_output: Any) -> LMCacheConnectorMetadata:
+        """Per-step metadata: loads of newly scheduled requests, saves of computed tokens,
+        preempted requests. A request whose part fails is left out (a miss, never an error)."""
+        meta = LMCacheConnectorMetadata()
+        try:
+            for req_id in scheduler_output.finished_req_ids:
+                self._forget(str(req_id))
+            meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
+            num_sched = scheduler_output.num_scheduled_tokens
+            new_reqs = list(scheduler_output.scheduled_new_reqs)
+            cached = scheduler_output.scheduled_cached_reqs
+            cached_ids = list(cached.req_ids)
+        except Exception as exc:  # a scheduler_output we do not understand: no work this step
+            self._failed("build_connector_meta", "*", exc)
+            return meta
+        for new in new_reqs:
+            self._guard(
+                "build_connector_meta",
+                str(new.req_id),
+                None,
+                partial(self._new, meta, new, num_sched),
+            )
+        for i, req_id in enumerate(cached_ids):
+            self._guard(
+                "build_connector_meta",
+                str(req_id),
+                None,
+                partial(self._cached, meta, cached, i, req_id, num_sched),
+            )
+        return meta
+
+    def _new(self, meta: LMCacheConnectorMetadata, new: Any, num_sched: Any) -> None:
+        rid = str(new.req_id)
+        prompt = list(new.prompt_token_ids or [])
+        request = self._requests.get(rid)
+        load = self._load_specs.pop(rid, None)
+        key = self._key(request) if request is not None else RequestKey(skip_reason="unknown")
+        if key.skip_reason is not None:
+            return
+        hit_saved = 0
+        if load is not None:
+            hit_saved = load.lmcache_hit // self.chunk_size * self.chunk_size
+        tracker = Tracker(
+            req_id=rid,
+            prompt_len=len(prompt),
+            block_ids=list(new.block_ids[0]) if new.block_ids else [],
+            salt=key.salt,
+            num_saved=hit_saved,
+            extra_keys=key.extra_keys,
+        )
+        self._trackers[rid] = tracker
+        computed_end = int(new.num_computed_tokens) + int(num_sched.get(new.req_id, 0))
+        self._add(meta, tracker, prompt, computed_end, load, request)
+
+    def _cached(
+        self, meta: LMCacheConnectorMetadata, cached: Any, i: int, req_id: Any, num_sched: Any
+    ) -> None:
+        rid = str(req_id)
+        tracker = self._trackers.get(rid)
+        request = self._requests.get(rid)
+        if tracker is None or request is None:
+            return
+        new_blocks = cached.new_block_ids[i]
+        resumed = req_id in (getattr(cached, "resumed_req_ids", None) or set())
+        if resumed:
+            tracker.block_ids = list(new_blocks[0]) if new_blocks else []
+        elif new_blocks:
+            tracker.block_ids.extend(new_blocks[0])
+        load = self._load_specs.pop(rid, None) if resumed else None
+        computed_end = int(cached.num_computed_tokens[i]) + int(num_sched.get(req_id, 0))
+        self._add(meta, tracker, None, computed_end, load, request)
+
+    def _save_spec(self, tracker: Tracker, computed_end: int) -> SaveSpec | None:
+        if self.kv_role == "kv_consumer":
+            return None
+        in_prefill = computed_end <= tracker.prompt_len
+        if not in_prefill and not self.config.save_decode_cache:
+            # the prompt's tail may have been scheduled together with the first decode
+            end = tracker.prompt_len
+        else:
+            end = computed_end
+        if end >= tracker.prompt_len and in_prefill and self.config.save_unfull_chunk:
+            save_end = end  # the prompt is complete: its partial last chunk may be kept
+        else:
+            save_end = end // self.chunk_size * self.chunk_size
+        if save_end <= tracker.num_saved:
+            return None
+        return SaveSpec(skip=tracker.num_saved, end=save_end)
+
+    def _add(
+        self,
+        meta: LMCacheConnectorMetadata,
+        tracker: Tracker,
+        prompt: list[int] | None,
+        computed_end: int,
+        load: LoadSpec | None,
+        request: Any,
+    ) -> None:
+        if load is not None and load.load_end <= load.vllm_cached:
+            load = None
+        save = self._save_spec(tracker, computed_end)
+        if load is None and save is None:
+            return
+        need = max(load.lmcache_hit if load else 0, save.end if save else 0)
+        if prompt is not None and need <= len(prompt):
+            tokens = prompt[:need]
+        else:
+            tokens = list(request.all_token_ids[:need])
+        if save is not None:
+            tracker.num_saved = save.end // self.chunk_size * self.chunk_size
+            if save.end == tracker.prompt_len:
+                tracker.num_saved = save.end  # complete prompt (partial chunk kept)
+        meta.requests.append(
+            ReqMeta(
+                req_id=tracker.req_id,
+                token_ids=tokens,
+                block_ids=list(tracker.block_ids),
+                salt=tracker.salt,
+                extra_keys=_extra_for(tracker.extra_keys, len(tokens), self),
+                load=load,
+                save=save,
+            )
+        )
+
+    def _forget(self, rid: str) -> Tracker | None:
+        self._requests.pop(rid, None)
+        self._load_specs.pop(rid, None)
+        self._keys.pop(rid, None)
+        return self._trackers.pop(rid, None)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> None:
+        """Forget the request (its worker-side leases go with ``finished_req_ids``)."""
+        rid = str(getattr(request, "request_id", "?"))
+        self._guard("request_finished", rid, None, lambda: self._forget(rid))
+
+    def reset_cache(self) -> bool:
+        """Ask every worker rank to drop this engine's chunks."""
+        return self._guard("reset_cache", "*", False, lambda: self._client().clear())
+
+    def take_stats(self) -> dict[str, float] | None:
+        """Counters since the last call (``None`` when nothing happened)."""
+        if not any(self.stats.values()):
+            return None
+        out = {k: float(v) for k, v in self.stats.items()}
+        self.stats = dict.fromkeys(self.stats, 0)
+        return out
+
+    def close(self) -> None:
+        """Close the lookup connections (idempotent)."""
+        if self._lookup_client is not None:
+            self._lookup_client.close()
+            self._lookup_client = None
+
+
+def _extra_for(extra_keys: dict[int, bytes], num_tokens: int, side: Any) -> dict[int, bytes]:
+    """The extra keys of the chunks that ``num_tokens`` tokens cover."""
+    if not extra_keys:
+        return {}
+    chunks = -(-num_tokens // side.chunk_size)
+    return {i: e for i, e in extra_keys.items() if i < chunks}

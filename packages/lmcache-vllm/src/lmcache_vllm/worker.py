@@ -1,0 +1,463 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker side of the lmcache connector: moves KV between vLLM's pages and lmcache.
+
+One per worker process (vLLM keeps one worker-side connector per process). Per step:
+
+1. :meth:`WorkerSide.bind`: waits for in-flight saves of requests vLLM preempted (their blocks
+   are about to be reused), releases leased lookup hits that timed out.
+2. :meth:`WorkerSide.start_load_kv`: one batched ``LMCacheEngine.retrieve`` per request that has
+   a load, using the chunks this rank leased at lookup (:mod:`lmcache_vllm.held_hits`), or a
+   layerwise retrieve driven by :meth:`WorkerSide.wait_for_layer_load`. Tokens that did not
+   arrive make their blocks a load error (vLLM's ``get_block_ids_with_load_errors``).
+3. :meth:`WorkerSide.wait_for_save`: queues one batched ``LMCacheEngine.store`` per request on
+   the :class:`~lmcache_vllm.save_queue.SaveQueue` and returns at once (on CUDA the copy waits
+   for an event recorded after the step's compute). Layerwise mode stores per layer in
+   :meth:`WorkerSide.save_kv_layer` instead.
+4. :meth:`WorkerSide.get_finished`: reports finished requests whose saves have all completed
+   (vLLM kept their blocks: the scheduler side returned ``True`` from ``request_finished``).
+
+Loads and saves share one transfer lock: a load waits for a save copying at that moment (the
+connector's staging buffers are not shared between concurrent transfers).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmcache.cache_engine import LMCacheEngine
+from lmcache.config import LMCacheConfig
+from lmcache.gpu_connector import CreateGPUConnector, EngineInfo, TransferSpec
+from lmcache.metrics import LMCacheMetrics
+from lmcache.tiers import process_cpu_tier
+from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, ReqMeta, WorkerStats
+from lmcache_vllm.held_hits import HeldHits
+from lmcache_vllm.kv_registration import build_metadata, order_caches
+from lmcache_vllm.lookup import LookupQuery, LookupServer
+from lmcache_vllm.save_queue import CommitJob, CopyJob, SaveQueue
+from lmcache_vllm.transfer_plan import load_plan, skip_mask, slot_mapping
+from lmcache_vllm.worker_layerwise import LayerwiseStep
+
+if TYPE_CHECKING:
+    from lmcache.held_hit import HeldHit
+
+__all__ = ["SECOND_ENGINE_ERROR", "WorkerSide"]
+
+logger = logging.getLogger(__name__)
+
+SECOND_ENGINE_ERROR = (
+    "lmcache: a second vLLM engine in this process registered its KV caches with the first "
+    "engine's lmcache connector (vLLM keeps one worker-side KV connector per process, so two "
+    "engines alive at once in one process would share it and load KV into the wrong engine's "
+    "pages). Run one engine per process: shut the first engine down before creating the next, "
+    "or use vLLM's default multiprocess mode (do not set VLLM_ENABLE_V1_MULTIPROCESSING=0)."
+)
+
+
+class WorkerSide:
+    """Worker-side state of the lmcache connector (see the module docstring).
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig``.
+        config: lmcache configuration.
+        engine_key: Names this engine instance (lookup socket).
+        world_size: Ranks holding shards; ``rank`` is this worker's.
+        get_metadata: Returns the connector metadata bound for this step.
+        on_engine: Called with each ``LMCacheEngine`` built (the adapter's registry of live
+            engines).
+    """
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        config: LMCacheConfig,
+        engine_key: str,
+        world_size: int,
+        rank: int,
+        get_metadata: Callable[[], Any],
+        on_engine: Callable[[LMCacheEngine], None] | None = None,
+    ) -> None:
+        self._vllm_config = vllm_config
+        self.config = config
+        self.chunk_size = config.chunk_size
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.engine_key = engine_key
+        self.world_size = world_size
+        self.rank = rank
+        self._get_metadata = get_metadata
+        self._on_engine = on_engine
+        self.lmcache_engine: LMCacheEngine | None = None
+        self._registered: list[torch.Tensor] = []
+        self._lookup_server: LookupServer | None = None
+        self._layer_ids: dict[str, int] = {}
+        self._load_errors: set[int] = set()
+        self._stats = WorkerStats()
+        self._stats_lock = threading.Lock()
+        self._xfer_lock = threading.Lock()
+        self._layerwise = LayerwiseStep(self._xfer_lock, self._fail_whole_load, self._count_save)
+        self._held = HeldHits()
+        self._saves = SaveQueue(f"lmcache-save-rank{rank}")
+        self._save_stream: Any = None
+        # saves queued but not yet visible: job id -> (salt, tokens); see _wait_for_saves
+        self._unpublished: dict[int, tuple[str, list[int]]] = {}
+        self._unpublished_cond = threading.Condition()
+        self._next_job = 0
+
+    # ------------------------------------------------------------------ registration
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Build the metadata, connector, cache engine and lookup server from vLLM's caches.
+
+        Raises:
+            KVLayoutError: no caches, or a layout no connector handles.
+            RuntimeError: a second engine of this process registers other caches.
+        """
+        names, caches = order_caches(kv_caches)
+        if self.lmcache_engine is not None:
+            if len(caches) == len(self._registered) and all(
+                a.data_ptr() == b.data_ptr() for a, b in zip(caches, self._registered, strict=True)
+            ):
+                return  # the same caches again
+            raise RuntimeError(SECOND_ENGINE_ERROR)
+        metadata, hints = build_metadata(
+            self._vllm_config,
+            names,
+            caches,
+            chunk_size=self.chunk_size,
+            world_size=self.world_size,
+            rank=self.rank,
+        )
+        first = caches[0]
+        engine_info = EngineInfo(
+            name="vllm",
+            device=first.device.type,
+            kv_caches=caches,
+            extra={"block_size": self.block_size},
+        )
+        connector = CreateGPUConnector(self.config, metadata, engine_info, hints)
+        metrics = LMCacheMetrics(labels={"engine": self.engine_key, "rank": str(self.rank)})
+        engine = LMCacheEngine(
+            self.config,
+            metadata,
+            connector,
+            metrics=metrics,
+            tier=process_cpu_tier(self.config, metrics),
+        )
+        self.lmcache_engine = engine
+        self._registered = caches
+        self._layer_ids = {n: i for i, n in enumerate(names)}
+        if self._on_engine is not None:
+            self._on_engine(engine)
+        self._lookup_server = LookupServer(self.engine_key, self.rank, self._lookup, self._clear)
+        logger.info(
+            "lmcache: registered %d layers %s on %s (%s), lookup socket %s",
+            len(caches),
+            tuple(first.shape),
+            first.device.type,
+            hints.get("kv_format", "default"),
+            self._lookup_server.path,
+        )
+
+    # ------------------------------------------------------------------ lookups (server thread)
+
+    def _lookup(self, query: LookupQuery) -> int:
+        engine = self.lmcache_engine
+        if engine is None:
+            return 0
+        reused = self._held.reuse(query.req_id, len(query.tokens), query.salt)
+        if reused is not None:
+            return reused
+        extra = dict(query.extra_keys) or None
+        hit = engine.lookup_and_lease(query.tokens, salt=query.salt, extra_keys=extra)
+        if hit.num_tokens < len(query.tokens) and self._wait_for_saves(query, hit.num_tokens):
+            hit.release()  # a save of the missing chunks was queued: look again
+            hit = engine.lookup_and_lease(query.tokens, salt=query.salt, extra_keys=extra)
+        self._held.put(query.req_id, hit, len(query.tokens), query.salt)
+        return hit.num_tokens
+
+    def _wait_for_saves(self, query: LookupQuery, found: int, timeout: float = 0.5) -> bool:
+        """Wait (bounded) for queued saves that would extend this lookup's hit: same salt and
+        the same tokens through the first missing chunk. Without this a prompt sent again
+        right after its first run could miss KV that is still being checksummed."""
+        cut = min(len(query.tokens), (found // self.chunk_size + 1) * self.chunk_size)
+        want = list(query.tokens[:cut])
+
+        def _blocking() -> bool:
+            return any(
+                salt == query.salt and len(tokens) >= cut and tokens[:cut] == want
+                for salt, tokens in self._unpublished.values()
+            )
+
+        with self._unpublished_cond:
+            if not _blocking():
+                return False
+            self._unpublished_cond.wait_for(lambda: not _blocking(), timeout)
+        return True
+
+    def _published(self, job: int) -> None:
+        with self._unpublished_cond:
+            self._unpublished.pop(job, None)
+            self._unpublished_cond.notify_all()
+
+    def _clear(self) -> None:
+        if self.lmcache_engine is not None:
+            self.lmcache_engine.clear()
+
+    # ------------------------------------------------------------------ per step
+
+    def _meta(self) -> LMCacheConnectorMetadata | None:
+        meta = self._get_metadata()
+        return meta if isinstance(meta, LMCacheConnectorMetadata) else None
+
+    def bind(self, meta: Any) -> None:
+        """Start of a step, before anything writes vLLM's pages: finish the previous step's
+        layerwise work, wait until queued saves have copied their pages (vLLM may reuse freed or
+        preempted blocks from now on), release leases of preempted requests and stale ones."""
+        self._layerwise.finish()
+        self._fence()
+        if not isinstance(meta, LMCacheConnectorMetadata):
+            return
+        self._held.release(meta.preempted)
+        expired = self._held.expire()
+        if expired:
+            with self._stats_lock:
+                self._stats.expired_leases += expired
+
+    def handle_preemptions(self, meta: Any) -> None:
+        """Preempted requests' blocks are about to be reused: no save may still read them."""
+        self._fence()
+
+    def _fence(self) -> None:
+        if not self._saves.wait_copied(timeout=300.0):
+            logger.error("lmcache: queued saves did not copy their pages within 300 s")
+
+    def _slot_mapping(self, req: ReqMeta, num_tokens: int) -> torch.Tensor:
+        return slot_mapping(req.block_ids, self.block_size, num_tokens)
+
+    def _mask(self, num_tokens: int, skip: int) -> torch.Tensor:
+        return skip_mask(num_tokens, skip, self.chunk_size)
+
+    def _record_load(self, req: ReqMeta, loaded: torch.Tensor | None) -> None:
+        load = req.load
+        assert load is not None
+        lo, hi = load.vllm_cached, load.load_end
+        ok = torch.zeros(hi - lo, dtype=torch.bool)
+        if loaded is not None:
+            have = loaded[lo : min(hi, loaded.numel())]
+            ok[: have.numel()] = have
+        missing = (~ok).nonzero()
+        with self._stats_lock:
+            self._stats.expected_load_tokens += hi - lo
+            self._stats.loaded_tokens += int(ok.sum())
+            self._stats.num_loads += 1
+        if missing.numel() == 0:
+            return
+        first_bad = lo + int(missing[0])
+        bad_blocks = req.block_ids[first_bad // self.block_size : -(-hi // self.block_size)]
+        self._load_errors.update(bad_blocks)
+        with self._stats_lock:
+            self._stats.failed_load_tokens += hi - first_bad
+        logger.warning(
+            "lmcache: request %s loaded %d of %d tokens (first missing token %d); blocks %s "
+            "reported to vLLM as load errors",
+            req.req_id,
+            int(ok.sum()),
+            hi - lo,
+            first_bad,
+            bad_blocks,
+        )
+
+    def start_load_kv(self) -> None:
+        """Load every request's hit (one batched retrieve each, or start layerwise loads)."""
+        meta = self._meta()
+        engine = self.lmcache_engine
+        if meta is None or engine is None:
+            return
+        for req in meta.requests:
+            held = self._held.pop(req.req_id)
+            if req.load is None:
+                if held is not None:
+                    held.release()
+                continue
+            self._load_one(engine, req, held)
+
+    def _load_one(self, engine: LMCacheEngine, req: ReqMeta, held: HeldHit | None) -> None:
+        plan = load_plan(req, self.block_size, self.chunk_size)
+        if plan is None:
+            if held is not None:
+                held.release()
+            self._record_load(req, None)
+            return
+        tokens, mask, transfer, _ = plan
+        extra = req.extra_keys or None
+        started = time.perf_counter()
+        loaded: torch.Tensor | None = None
+        try:
+            if self.config.use_layerwise:
+                retriever = engine.retrieve_layerwise(
+                    tokens, mask, transfer, salt=req.salt, extra_keys=extra, held=held
+                )
+                self._layerwise.add_load(req, retriever, held)
+                full = torch.zeros(len(req.token_ids), dtype=torch.bool)
+                lo = req.load.vllm_cached // self.chunk_size * self.chunk_size  # type: ignore[union-attr]
+                full[lo : lo + retriever.num_hit_tokens] = True
+                self._record_load(req, full)
+                return
+            with self._xfer_lock:
+                loaded = engine.retrieve(
+                    tokens, mask, transfer, salt=req.salt, extra_keys=extra, held=held
+                )
+        except Exception:
+            logger.exception("lmcache: load of request %s failed", req.req_id)
+        if held is not None:
+            held.release()
+        with self._stats_lock:
+            self._stats.load_seconds += time.perf_counter() - started
+        self._record_load(req, loaded)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Layerwise: load ``layer_name`` of every pending retrieve."""
+        layer = self._layer_ids.get(layer_name)
+        if layer is not None:
+            self._layerwise.load_layer(layer)
+
+    def _fail_whole_load(self, req: ReqMeta) -> None:
+        load = req.load
+        if load is not None:
+            first, end = load.vllm_cached // self.block_size, -(-load.load_end // self.block_size)
+            self._load_errors.update(req.block_ids[first:end])
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Layerwise: save ``layer_name`` of every request with tokens to save this step."""
+        engine = self.lmcache_engine
+        layer = self._layer_ids.get(layer_name)
+        if not self.config.use_layerwise or engine is None or layer is None:
+            return
+        if not self._layerwise.saves_started:
+            meta = self._meta()
+            storers = []
+            for req in meta.requests if meta is not None else []:
+                if req.save is None:
+                    continue
+                tokens = req.token_ids[: req.save.end]
+                transfer = TransferSpec(self._slot_mapping(req, len(tokens)))
+                mask = self._mask(len(tokens), req.save.skip)
+                try:
+                    storer = engine.store_layerwise(
+                        tokens, mask, transfer, salt=req.salt, extra_keys=req.extra_keys or None
+                    )
+                except Exception:
+                    logger.exception("lmcache: layerwise save of %s failed", req.req_id)
+                    continue
+                storers.append((req, storer))
+            self._layerwise.add_saves(storers)
+        self._layerwise.save_layer(layer)
+
+    def _count_save(self, stored: int, seconds: float) -> None:
+        with self._stats_lock:
+            self._stats.stored_tokens += stored
+            self._stats.num_saves += 1
+            self._stats.save_seconds += seconds
+
+    def wait_for_save(self) -> None:
+        """Queue every request's save of newly computed tokens and return at once."""
+        if self.config.use_layerwise:
+            self._layerwise.finish()
+            return
+        meta = self._meta()
+        engine = self.lmcache_engine
+        if meta is None or engine is None:
+            return
+        ready = None
+        for req in meta.requests:
+            if req.save is None:
+                continue
+            if ready is None and self._registered and self._registered[0].is_cuda:
+                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                ready.record(torch.cuda.current_stream(self._registered[0].device))
+            self._saves.submit(req.req_id, self._save_job(engine, req, ready))
+
+    def _save_job(self, engine: LMCacheEngine, req: ReqMeta, ready: Any) -> CopyJob:
+        """The copy job of ``req``'s save; it returns the commit job."""
+        assert req.save is not None
+        tokens = req.token_ids[: req.save.end]
+        mask = self._mask(len(tokens), req.save.skip)
+        slots = self._slot_mapping(req, len(tokens))
+        extra = req.extra_keys or None
+        with self._unpublished_cond:
+            job = self._next_job
+            self._next_job += 1
+            self._unpublished[job] = (req.salt, tokens)
+
+        def _copy() -> CommitJob:
+            started = time.perf_counter()
+            try:
+                with self._xfer_lock:
+                    if ready is None:
+                        staged = engine.copy_out(
+                            tokens, mask, TransferSpec(slots), salt=req.salt, extra_keys=extra
+                        )
+                    else:
+                        stream = self._store_stream()
+                        stream.wait_event(ready)  # after the step that wrote this KV
+                        with torch.cuda.stream(stream):
+                            transfer = TransferSpec(slots, stream=stream)
+                            staged = engine.copy_out(
+                                tokens, mask, transfer, salt=req.salt, extra_keys=extra
+                            )
+            except BaseException:
+                self._published(job)
+                raise
+
+            def _commit() -> None:
+                try:
+                    stored = staged.commit()
+                finally:
+                    self._published(job)
+                self._count_save(stored, time.perf_counter() - started)
+
+            return _commit
+
+        return _copy
+
+    def _store_stream(self) -> Any:
+        if self._save_stream is None:
+            self._save_stream = torch.cuda.Stream(self._registered[0].device)  # type: ignore[no-untyped-call]
+        return self._save_stream
+
+    def get_finished(self, finished_req_ids: Iterable[str]) -> None:
+        """Release the leases of finished requests; nothing is ever reported as finished
+        sending (blocks are freed at once: :meth:`bind` fences their reuse)."""
+        self._held.release(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_stats(self) -> dict[str, float] | None:
+        """Worker counters since the last call (``None`` when nothing happened)."""
+        with self._stats_lock:
+            stats, self._stats = self._stats, WorkerStats()
+        if not any(stats.as_dict().values()):
+            return None
+        return stats.as_dict()
+
+    def shutdown(self) -> None:
+        """Finish queued saves, stop the lookup server, release every lease."""
+        if not self._saves.close(timeout=60.0):
+            logger.warning("lmcache: saves still running at shutdown; their chunks are dropped")
+        if self._lookup_server is not None:
+            self._lookup_server.close()
+            self._lookup_server = None
+        self._layerwise.abort()
+        self._held.clear()
+        if self.lmcache_engine is not None:
+            self.lmcache_engine.close()  # the process-wide tier keeps the chunks
+        self.lmcache_engine = None
+        self._registered = []
