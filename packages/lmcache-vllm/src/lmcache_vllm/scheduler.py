@@ -12,7 +12,8 @@ Per request:
    (:mod:`lmcache_vllm.request_keys`), asks every worker rank in parallel how many leading
    prompt tokens lmcache holds (:mod:`lmcache_vllm.lookup`; each rank *leases* the chunks it
    found, so they cannot be evicted before the load) and reports the tokens beyond vLLM's own
-   prefix-cache hit (one less on a full hit, so vLLM computes the last token).
+   prefix-cache hit, ending on a block boundary before the last prompt token (as vLLM's own
+   prefix cache does: vLLM computes at least the last token, and never starts mid-block).
 2. :meth:`SchedulerSide.update_state_after_alloc` then :meth:`SchedulerSide.build_connector_meta`:
    records what to load (``[vllm_cached, load_end)``) and what to save (tokens computed this
    step that are not saved yet) in plain dataclasses pickled to the workers.
@@ -80,6 +81,7 @@ class SchedulerSide:
         self.kv_role: str = getattr(ktc, "kv_role", None) or "kv_both"
         self.config = config
         self.chunk_size = config.chunk_size
+        self.block_size = int(vllm_config.cache_config.block_size)
         self.engine_key = engine_key(vllm_config)
         self.world_size = world_size
         self._keyer = RequestKeyer(self.chunk_size)
@@ -168,7 +170,10 @@ class SchedulerSide:
             return 0
         query = LookupQuery(rid, tokens, key.salt, _extra_for(key.extra_keys, len(tokens), self))
         hit = self._client().lookup(query)
-        usable = min(hit, int(request.num_tokens) - 1)  # vLLM must compute >= 1 token
+        # vLLM must compute >= 1 token, and a hit ends on a block boundary like vLLM's own
+        # prefix-cache hits: some CPU attention kernels (AMX) round differently when a prefill
+        # starts mid-block, so a mid-block hit could change greedy output versus no cache.
+        usable = min(hit, int(request.num_tokens) - 1) // self.block_size * self.block_size
         need = usable - num_computed_tokens
         if need <= 0:
             return 0

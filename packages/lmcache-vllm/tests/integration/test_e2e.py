@@ -41,10 +41,11 @@ def test_full_hit_recomputes_last_token(run, baseline):
     run([PROMPTS["p256"]], ktc())
     warm = run([PROMPTS["p256"]], ktc())
     assert warm.tokens[0] == baseline["p256"]
-    assert warm.cached == [255]  # vLLM must compute at least the last prompt token
+    # vLLM computes the last prompt token, and the hit ends on a block boundary (block 32)
+    assert warm.cached == [224]
 
 
-@pytest.mark.parametrize(("save_unfull", "expected"), [(False, 256), (True, 299)])
+@pytest.mark.parametrize(("save_unfull", "expected"), [(False, 256), (True, 288)])
 def test_partial_last_chunk(run, baseline, save_unfull, expected):
     cfg = ktc(save_unfull_chunk=save_unfull)
     run([PROMPTS["p300"]], cfg)

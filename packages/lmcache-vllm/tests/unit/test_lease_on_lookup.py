@@ -1,0 +1,185 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A hit that is promised is loaded: the real scheduler and worker sides of the connector over a
+real lookup socket and a real cache engine, with a tier so small that every store evicts.
+
+Between a request's lookup (the scheduler promises N tokens to vLLM) and its load, other prompts
+are looked up and stored; the promised chunks must survive (they are leased at lookup) and load
+bit-exactly, with no load error. Without the lease they are the first to be evicted.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lmcache.tiers import reset_process_cpu_tiers
+from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
+from lmcache_vllm.scheduler import SchedulerSide, engine_key
+from lmcache_vllm.vllm_v1_adapter import load_lmcache_config
+from lmcache_vllm.worker import WorkerSide
+
+CHUNK, BLOCK, HEADS, HEAD, LAYERS = 64, 16, 2, 32, 2
+NUM_BLOCKS = 200
+CHUNK_BYTES = LAYERS * CHUNK * HEADS * 2 * HEAD * 4  # float32
+PROMPT = 4 * CHUNK
+
+
+def _vllm_config(tmp_path, budget_chunks: int) -> SimpleNamespace:
+    gib = budget_chunks * CHUNK_BYTES / 1024**3
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_role="kv_both",
+            engine_id=f"lease-{tmp_path.name}",
+            kv_connector_extra_config={
+                "lmcache.chunk_size": CHUNK,
+                "lmcache.max_local_cpu_size": gib,
+            },
+        ),
+        instance_id="t",
+        cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, rank=0),
+        model_config=SimpleNamespace(
+            model="lease-test-model", use_mla=False, get_head_size=lambda: HEAD, dtype="float32"
+        ),
+        compilation_config=SimpleNamespace(static_forward_context={}),
+    )
+
+
+def _request(rid: str, tokens: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        num_tokens=len(tokens),
+        cache_salt=None,
+        lora_request=None,
+        mm_features=[],
+        prompt_embeds=None,
+    )
+
+
+class Rig:
+    """Scheduler side + worker side of one engine over per-layer vLLM-CPU-format caches."""
+
+    def __init__(self, tmp_path, budget_chunks: int) -> None:
+        reset_process_cpu_tiers()
+        vc = _vllm_config(tmp_path, budget_chunks)
+        config = load_lmcache_config(vc)
+        self.meta = LMCacheConnectorMetadata()
+        self.worker = WorkerSide(vc, config, engine_key(vc), 1, 0, lambda: self.meta)
+        self.caches = {
+            f"model.layers.{i}.self_attn.attn": torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)
+            for i in range(LAYERS)
+        }
+        self.worker.register_kv_caches(self.caches)
+        self.scheduler = SchedulerSide(vc, config, world_size=1, local_world_size=1)
+        self.next_block = 1
+
+    def blocks(self, n_tokens: int) -> list[int]:
+        n = -(-n_tokens // BLOCK)
+        out = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return out
+
+    def step(self, *reqs: ReqMeta) -> None:
+        self.meta = LMCacheConnectorMetadata(requests=list(reqs))
+        self.worker.bind(self.meta)
+        self.worker.start_load_kv()
+        self.worker.wait_for_save()
+
+    def store(self, rid: str, tokens: list[int]) -> list[int]:
+        blocks = self.blocks(len(tokens))
+        self.step(ReqMeta(rid, tokens, blocks, save=SaveSpec(skip=0, end=len(tokens))))
+        assert self.worker._saves.wait(timeout=30)
+        return blocks
+
+    def pages(self, blocks: list[int]) -> torch.Tensor:
+        return torch.stack([c[blocks] for c in self.caches.values()])
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.worker.shutdown()
+        reset_process_cpu_tiers()
+
+
+@pytest.fixture
+def rig(tmp_path):
+    r = Rig(tmp_path, budget_chunks=8)  # two 4-chunk prompts fit; a third evicts
+    yield r
+    r.close()
+
+
+def _prompt(seed: int) -> list[int]:
+    return torch.randint(
+        0, 30_000, (PROMPT,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
+
+
+def test_promised_hit_survives_eviction_pressure_and_loads_exactly(rig):
+    target = _prompt(1)
+    src_blocks = rig.store("writer", target)
+    original = rig.pages(src_blocks).clone()
+
+    req = _request("reader", target)
+    promised = rig.scheduler.get_num_new_matched_tokens(req, 0)
+    assert promised == PROMPT - BLOCK  # a full hit: vLLM computes the last block
+
+    # between lookup and load: other prompts are looked up and stored; each store must evict
+    for i in range(2, 6):
+        other = _prompt(i)
+        assert rig.scheduler.get_num_new_matched_tokens(_request(f"o{i}", other), 0) == 0
+        rig.store(f"o{i}", other)
+    tier = rig.worker.lmcache_engine.tier
+    assert rig.worker.lmcache_engine.metrics.value("evicted_chunks") >= 8
+    assert len(tier) == 8
+
+    dst_blocks = rig.blocks(PROMPT)
+    for c in rig.caches.values():
+        c[dst_blocks] = float("nan")
+    load = LoadSpec(vllm_cached=0, lmcache_hit=PROMPT, load_end=promised)
+    rig.step(ReqMeta("reader", target, dst_blocks, load=load))
+    assert rig.worker.get_block_ids_with_load_errors() == set()
+    loaded = rig.pages(dst_blocks)
+    assert torch.equal(loaded.view(torch.int32), original.view(torch.int32))
+    stats = rig.worker.take_stats()
+    assert stats["loaded_tokens"] == promised and stats["failed_load_tokens"] == 0
+
+
+def test_leases_are_released_after_the_load_and_on_finish(rig):
+    a, b = _prompt(10), _prompt(11)
+    rig.store("wa", a)
+    rig.store("wb", b)
+    rig.scheduler.get_num_new_matched_tokens(_request("ra", a), 0)
+    rig.scheduler.get_num_new_matched_tokens(_request("rb", b), 0)
+    assert len(rig.worker._held) == 2
+    rig.step(ReqMeta("ra", a, rig.blocks(PROMPT), load=LoadSpec(0, PROMPT, PROMPT - BLOCK)))
+    assert len(rig.worker._held) == 1  # ra's lease went with its load
+    rig.worker.get_finished({"rb"})  # rb finished (aborted) before it was ever scheduled
+    assert len(rig.worker._held) == 0
+    pool = rig.worker.lmcache_engine.pool
+    held_by_tier_only = all(
+        e.lease.ref_count == 1 for e in rig.worker.lmcache_engine.tier._entries.values()
+    )
+    assert held_by_tier_only and pool.used_bytes == 8 * CHUNK_BYTES
+
+
+def test_a_vanished_request_lease_times_out(rig):
+    a = _prompt(20)
+    rig.store("w", a)
+    rig.scheduler.get_num_new_matched_tokens(_request("ghost", a), 0)
+    assert len(rig.worker._held) == 1
+    rig.worker._held.timeout_s = 0.0
+    rig.worker._held.reuse("ghost", PROMPT, "")  # refresh with a zero timeout
+    rig.step()  # every step expires stale leases
+    assert len(rig.worker._held) == 0
+    assert rig.worker.take_stats()["expired_leases"] == 1
+
+
+def test_lookup_right_after_a_save_waits_for_it(rig):
+    """A prompt sent again right after its first run finds the KV that is still being
+    checksummed (the lookup waits for a queued save of the same tokens)."""
+    a = _prompt(30)
+    blocks = rig.blocks(PROMPT)
+    rig.step(ReqMeta("w", a, blocks, save=SaveSpec(skip=0, end=PROMPT)))  # queued, not waited
+    assert rig.scheduler.get_num_new_matched_tokens(_request("again", a), 0) == PROMPT - BLOCK
