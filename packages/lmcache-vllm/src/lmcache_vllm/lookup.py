@@ -18,9 +18,9 @@ processes). The lifecycle:
    the path is still the one it bound (a newer server may have replaced it).
 
 Failures are misses, never errors. :meth:`LookupClient.lookup` never raises: a query that cannot
-be encoded (a limit below exceeded, a token id outside ``[0, 2**32)``), a rank whose socket is
-missing (not up yet, or gone), refused, closed, slow past the deadline, answering garbage or
-answering ``-1`` all make the lookup return 0. Each such rank answer is counted in
+be encoded (a limit of the wire format exceeded, a token id outside ``[0, 2**32)``), a rank whose
+socket is missing (not up yet, or gone), refused, closed, slow past the deadline, answering
+garbage or answering ``-1`` all make the lookup return 0. Each such rank answer is counted in
 :attr:`LookupClient.failures` and logged once per change of that rank's state, not once per call.
 A missing socket is a miss at once (no waiting loop); the next call connects again. A rank that
 misses the deadline has its connection closed, so its late reply can never be read as the answer
@@ -33,21 +33,8 @@ one engine share it, two engines (in one process or on one host) never do. The f
 and owned by this user (a server refuses any other folder; a client does not connect through
 one); the socket is ``0600``. The digest keeps the path under the ~108-byte ``AF_UNIX`` limit.
 
-Wire format (little-endian :mod:`struct`; no pickle). A request starts with ``u8 op``:
-
-- ``op = 1`` lookup::
-
-      u16 id_len,   id_len bytes    request id (utf-8, <= MAX_ID_BYTES)
-      u16 salt_len, salt_len bytes  cache salt (utf-8, <= MAX_SALT_BYTES)
-      u16 n_extra,                  extra key material (<= MAX_EXTRA_KEYS entries)
-          n_extra x (u32 chunk index, u8 len, len bytes)   1 <= len <= MAX_EXTRA_KEY_BYTES
-      u32 n_tokens, n_tokens x u32  prompt token ids (<= MAX_TOKENS)
-
-- ``op = 2`` clear: no body.
-
-The reply to either is one ``i64``: the leading tokens present (0 for a clear), or ``-1`` when the
-server failed (the callback raised or returned a value outside ``[0, n_tokens]``). A request that
-breaks the format or a limit makes the server close that connection, with one warning.
+Wire format: :mod:`lmcache_vllm.lookup_wire` (little-endian :mod:`struct` framing, no pickle;
+every limit checked on both sides). Its public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -60,13 +47,27 @@ import os
 import selectors
 import socket
 import stat
-import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
+
+from lmcache_vllm.lookup_wire import (
+    MAX_EXTRA_KEY_BYTES,
+    MAX_EXTRA_KEYS,
+    MAX_ID_BYTES,
+    MAX_SALT_BYTES,
+    MAX_TOKENS,
+    OP_CLEAR,
+    OP_LOOKUP,
+    REPLY,
+    LookupQuery,
+    decode_request,
+    decode_request_body,
+    encode_clear,
+    encode_lookup,
+)
 
 __all__ = [
     "MAX_EXTRA_KEYS",
@@ -88,52 +89,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-OP_LOOKUP = 1
-"""Request op byte of a lookup."""
-OP_CLEAR = 2
-"""Request op byte of a clear."""
-MAX_ID_BYTES = 256
-"""Largest request id (utf-8 bytes)."""
-MAX_SALT_BYTES = 256
-"""Largest cache salt (utf-8 bytes); the adapter hashes longer salts before building a query."""
-MAX_EXTRA_KEYS = 4096
-"""Most extra-key entries (chunk index -> bytes) in one lookup."""
-MAX_EXTRA_KEY_BYTES = 64
-"""Largest extra-key value (bytes); values are at least 1 byte."""
-MAX_TOKENS = 1 << 22
-"""Most token ids in one lookup."""
-
-_U8 = struct.Struct("<B")
-_U16 = struct.Struct("<H")
-_U32 = struct.Struct("<I")
-_I64 = struct.Struct("<q")
-_EXTRA_HEAD = struct.Struct("<IB")
-_TOKEN_LIMIT = 1 << 32
 _SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 _BODY_TIMEOUT_S = 10.0
 """Server side: once a request's first byte arrived, the rest must follow within this time."""
 _LOG_EVERY_S = 60.0
 """Repeated errors of one kind that have no per-rank state are logged at most this often."""
-
-
-@dataclass(frozen=True)
-class LookupQuery:
-    """One scheduler -> worker lookup.
-
-    Attributes:
-        req_id: vLLM request id; the worker leases the hit chunks under it. Any string; more than
-            :data:`MAX_ID_BYTES` utf-8 bytes is an error at encode.
-        tokens: Prompt token ids, each in ``[0, 2**32)``; at most :data:`MAX_TOKENS`.
-        salt: Already-derived key salt (the adapter hashes long cache salts); at most
-            :data:`MAX_SALT_BYTES` utf-8 bytes.
-        extra_keys: Chunk index -> extra key material of that chunk (1 to
-            :data:`MAX_EXTRA_KEY_BYTES` bytes); at most :data:`MAX_EXTRA_KEYS` entries.
-    """
-
-    req_id: str
-    tokens: Sequence[int]
-    salt: str = ""
-    extra_keys: Mapping[int, bytes] = field(default_factory=dict)
 
 
 def socket_dir(engine_key: str, *, base: str | os.PathLike[str] | None = None) -> Path:
@@ -154,151 +114,6 @@ def socket_dir(engine_key: str, *, base: str | os.PathLike[str] | None = None) -
 def socket_path(engine_key: str, rank: int, *, base: str | os.PathLike[str] | None = None) -> Path:
     """Socket of ``rank``'s lookup server for ``engine_key`` (see :func:`socket_dir`)."""
     return socket_dir(engine_key, base=base) / f"rank{rank}.sock"
-
-
-def _utf8(text: str, limit: int, what: str) -> bytes:
-    if not isinstance(text, str):
-        raise ValueError(f"lookup {what}: expected a str, found {type(text).__name__}")
-    try:
-        data = text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"lookup {what} is not encodable as utf-8 ({exc.reason} at {exc.start})"
-        ) from None
-    if len(data) > limit:
-        raise ValueError(
-            f"lookup {what} is {len(data)} utf-8 bytes; expected at most {limit} "
-            f"(hash longer values before building the LookupQuery)"
-        )
-    return data
-
-
-def _bad_token(tokens: Sequence[int]) -> str:
-    for i, token in enumerate(tokens):
-        try:
-            value = operator.index(token)
-        except TypeError:
-            return f"token {i} is a {type(token).__name__}, expected an int"
-        if not 0 <= value < _TOKEN_LIMIT:
-            return f"token {i} is {value}, expected a value in [0, 2**32)"
-    return "a token is not a u32"
-
-
-def encode_lookup(query: LookupQuery) -> bytes:
-    """Frame a lookup request (format in the module docstring).
-
-    Raises:
-        ValueError: A field beyond its limit, a token id outside ``[0, 2**32)``, an extra key
-            that is not 1 to :data:`MAX_EXTRA_KEY_BYTES` bytes or whose chunk index is not a u32.
-    """
-    req_id = _utf8(query.req_id, MAX_ID_BYTES, "request id")
-    salt = _utf8(query.salt, MAX_SALT_BYTES, "salt")
-    tokens = query.tokens
-    n = len(tokens)
-    if n > MAX_TOKENS:
-        raise ValueError(
-            f"lookup has {n} tokens; expected at most {MAX_TOKENS} (MAX_TOKENS); "
-            "longer prompts cannot be looked up"
-        )
-    extra = query.extra_keys
-    if len(extra) > MAX_EXTRA_KEYS:
-        raise ValueError(
-            f"lookup has {len(extra)} extra keys; expected at most {MAX_EXTRA_KEYS} (MAX_EXTRA_KEYS)"
-        )
-    parts = [_U8.pack(OP_LOOKUP), _U16.pack(len(req_id)), req_id, _U16.pack(len(salt)), salt]
-    parts.append(_U16.pack(len(extra)))
-    for index, value in extra.items():
-        if not isinstance(value, bytes | bytearray | memoryview):
-            raise ValueError(
-                f"extra key of chunk {index!r} is a {type(value).__name__}; expected bytes"
-            )
-        data = bytes(value)
-        if not 1 <= len(data) <= MAX_EXTRA_KEY_BYTES:
-            raise ValueError(
-                f"extra key of chunk {index!r} is {len(data)} bytes; expected 1 to "
-                f"{MAX_EXTRA_KEY_BYTES} (hash longer material first)"
-            )
-        try:
-            parts.append(_EXTRA_HEAD.pack(index, len(data)))
-        except struct.error:
-            raise ValueError(
-                f"extra key chunk index {index!r}: expected an int in [0, 2**32)"
-            ) from None
-        parts.append(data)
-    parts.append(_U32.pack(n))
-    try:
-        parts.append(struct.pack(f"<{n}I", *tokens))
-    except struct.error:
-        raise ValueError(f"lookup tokens: {_bad_token(tokens)}") from None
-    return b"".join(parts)
-
-
-def encode_clear() -> bytes:
-    """Frame a clear request."""
-    return _U8.pack(OP_CLEAR)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError(f"peer closed after {got} of {n} bytes")
-        got += k
-    return buf
-
-
-def _recv_str(sock: socket.socket, limit: int, what: str) -> str:
-    (size,) = _U16.unpack(_recv_exact(sock, 2))
-    if size > limit:
-        raise ValueError(f"{what} length {size} exceeds the limit {limit}")
-    try:
-        return _recv_exact(sock, size).decode("utf-8") if size else ""
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{what} is not utf-8 ({exc.reason} at byte {exc.start})") from None
-
-
-def _decode_body(sock: socket.socket, op: int) -> LookupQuery | None:
-    if op == OP_CLEAR:
-        return None
-    if op != OP_LOOKUP:
-        raise ValueError(f"unknown op {op}; expected {OP_LOOKUP} (lookup) or {OP_CLEAR} (clear)")
-    req_id = _recv_str(sock, MAX_ID_BYTES, "request id")
-    salt = _recv_str(sock, MAX_SALT_BYTES, "salt")
-    (n_extra,) = _U16.unpack(_recv_exact(sock, 2))
-    if n_extra > MAX_EXTRA_KEYS:
-        raise ValueError(f"{n_extra} extra keys exceed the limit {MAX_EXTRA_KEYS}")
-    extra: dict[int, bytes] = {}
-    for _ in range(n_extra):
-        index, size = _EXTRA_HEAD.unpack(_recv_exact(sock, _EXTRA_HEAD.size))
-        if not 1 <= size <= MAX_EXTRA_KEY_BYTES:
-            raise ValueError(
-                f"extra key of chunk {index} is {size} bytes; expected 1 to {MAX_EXTRA_KEY_BYTES}"
-            )
-        if index in extra:
-            raise ValueError(f"chunk index {index} appears twice among the extra keys")
-        extra[index] = bytes(_recv_exact(sock, size))
-    (n,) = _U32.unpack(_recv_exact(sock, 4))
-    if n > MAX_TOKENS:
-        raise ValueError(f"token count {n} exceeds the limit {MAX_TOKENS}")
-    tokens = list(struct.unpack(f"<{n}I", _recv_exact(sock, 4 * n))) if n else []
-    return LookupQuery(req_id=req_id, tokens=tokens, salt=salt, extra_keys=extra)
-
-
-def decode_request(sock: socket.socket) -> LookupQuery | None:
-    """Read one request from ``sock`` (blocking, under the socket's own timeout).
-
-    Returns:
-        The :class:`LookupQuery` of a lookup, ``None`` for a clear.
-
-    Raises:
-        ConnectionError: The peer closed before the request was complete.
-        ValueError: An unknown op, a length beyond its limit, text that is not utf-8 or a chunk
-            index repeated among the extra keys.
-    """
-    return _decode_body(sock, _recv_exact(sock, 1)[0])
 
 
 class _Throttle:
@@ -464,11 +279,11 @@ class LookupServer:
                     return
                 conn.settimeout(_BODY_TIMEOUT_S)
                 try:
-                    request = _decode_body(conn, first[0])
+                    request = decode_request_body(conn, first[0])
                 except ValueError as exc:
                     logger.warning(
                         "lmcache lookup server %s: malformed request (%s); closing that "
-                        "connection (expected the framing of lmcache_vllm.lookup)",
+                        "connection (expected the framing of lmcache_vllm.lookup_wire)",
                         self.path,
                         exc,
                     )
@@ -484,7 +299,7 @@ class LookupServer:
                 except ConnectionError as exc:
                     logger.debug("lmcache lookup server %s: truncated request (%s)", self.path, exc)
                     return
-                conn.sendall(_I64.pack(self._answer(request)))
+                conn.sendall(REPLY.pack(self._answer(request)))
         except OSError:
             return
         finally:
@@ -764,7 +579,7 @@ class LookupClient:
                             if ex.sent == len(ex.out):
                                 sel.modify(conn, selectors.EVENT_READ, ex)
                             continue
-                        part = conn.recv(_I64.size - len(ex.reply))
+                        part = conn.recv(REPLY.size - len(ex.reply))
                     except BlockingIOError:
                         continue
                     except OSError as exc:
@@ -778,10 +593,10 @@ class LookupClient:
                         self._note(ex.rank, "connection lost", "closed by the server")
                         continue
                     ex.reply += part
-                    if len(ex.reply) < _I64.size:
+                    if len(ex.reply) < REPLY.size:
                         continue
                     sel.unregister(conn)
-                    (value,) = _I64.unpack(ex.reply)
+                    (value,) = REPLY.unpack(ex.reply)
                     if 0 <= value <= limit:
                         answers[ex.rank.rank] = value
                         self._note(ex.rank, "ok")

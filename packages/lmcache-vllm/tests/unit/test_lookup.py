@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import stat
 import struct
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_vllm import lookup as lookup_mod
+from lmcache_vllm import lookup_wire
 from lmcache_vllm.lookup import (
     MAX_EXTRA_KEYS,
     MAX_ID_BYTES,
@@ -169,27 +171,70 @@ def test_encode_rejects_what_breaks_a_limit(query, match):
 
 
 @pytest.mark.parametrize(
-    "payload",
+    ("payload", "match"),
     [
-        b"\x07",  # unknown op
-        b"\x01" + struct.pack("<H", MAX_ID_BYTES + 1),  # id too long
-        b"\x01\x00\x00" + struct.pack("<H", MAX_SALT_BYTES + 1),  # salt too long
-        b"\x01\x00\x00\x00\x00" + struct.pack("<H", MAX_EXTRA_KEYS + 1),
-        b"\x01\x00\x00\x00\x00\x01\x00" + struct.pack("<IB", 0, 65),  # extra key too long
-        b"\x01\x00\x00\x00\x00\x02\x00"
-        + struct.pack("<IB", 4, 1)
-        + b"a"
-        + struct.pack("<IB", 4, 1),
-        b"\x01\x00\x00\x00\x00\x00\x00" + struct.pack("<I", MAX_TOKENS + 1),
-        b"\x01\x02\x00\xff\xfe",  # request id not utf-8
+        (b"\x07", r"unknown op 7; expected 1 \(lookup\) or 2 \(clear\)"),
+        (b"\x01" + struct.pack("<H", MAX_ID_BYTES + 1), "request id length 257 exceeds the limit"),
+        (b"\x01\x00\x00" + struct.pack("<H", MAX_SALT_BYTES + 1), "salt length 257 exceeds"),
+        (
+            b"\x01\x00\x00\x00\x00" + struct.pack("<H", MAX_EXTRA_KEYS + 1),
+            "4097 extra keys exceed the limit 4096",
+        ),
+        (
+            b"\x01\x00\x00\x00\x00\x01\x00" + struct.pack("<IB", 0, 65),
+            "extra key of chunk 0 is 65 bytes; expected 1 to 64",
+        ),
+        (
+            b"\x01\x00\x00\x00\x00\x02\x00"
+            + struct.pack("<IB", 4, 1)
+            + b"a"
+            + struct.pack("<IB", 4, 1),
+            "chunk index 4 appears twice",
+        ),
+        (
+            b"\x01\x00\x00\x00\x00\x00\x00" + struct.pack("<I", MAX_TOKENS + 1),
+            "token count 4194305 exceeds the limit 4194304",
+        ),
+        (b"\x01\x02\x00\xff\xfe", r"request id is not utf-8 \(invalid start byte at byte 0\)"),
+        (b"\x01\x00\x00\x02\x00a\xff", r"salt is not utf-8 \(invalid start byte at byte 1\)"),
     ],
 )
-def test_decode_rejects_malformed_requests(payload):
+def test_decode_rejects_malformed_requests(payload, match):
     a, b = socket.socketpair()
     with a, b:
         a.sendall(payload + b"\x00" * 16)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=match) as info:
             decode_request(b)
+    # lmcache's own ValueError, not Python's UnicodeDecodeError (a ValueError subclass) escaping
+    assert type(info.value) is ValueError
+
+
+def test_lookup_re_exports_the_wire_names():
+    assert sorted(lookup_mod.__all__) == sorted(
+        [
+            "MAX_EXTRA_KEYS",
+            "MAX_EXTRA_KEY_BYTES",
+            "MAX_ID_BYTES",
+            "MAX_SALT_BYTES",
+            "MAX_TOKENS",
+            "OP_CLEAR",
+            "OP_LOOKUP",
+            "LookupClient",
+            "LookupQuery",
+            "LookupServer",
+            "decode_request",
+            "encode_clear",
+            "encode_lookup",
+            "socket_dir",
+            "socket_path",
+        ]
+    )
+    for name in lookup_mod.__all__:
+        assert hasattr(lookup_mod, name), name
+        if name in lookup_wire.__all__:
+            assert getattr(lookup_mod, name) is getattr(lookup_wire, name), name
+    for name in lookup_wire.__all__:
+        assert hasattr(lookup_wire, name), name
 
 
 def test_decode_truncated_request_is_a_connection_error():
@@ -459,22 +504,60 @@ def test_two_engines_on_one_host_do_not_share_sockets(h):
     assert h.client("eng:instance-b", 1).lookup(q([1, 2])) == 2
 
 
-def test_foreign_folder_is_refused(h, base):
+def test_a_non_directory_socket_folder_is_refused_by_lmcache(h, base, caplog):
     folder = socket_dir("k7", base=base)
     folder.write_text("not a folder")
-    with pytest.raises((PermissionError, FileExistsError)):
+    with pytest.raises(
+        PermissionError,
+        match=re.escape(
+            f"lookup socket folder {folder}: expected a directory owned by uid {os.getuid()}, "
+            f"found a non-directory owned by uid {os.getuid()}; remove it"
+        ),
+    ):
         LookupServer("k7", 0, lambda query: 0, lambda: None, base=base)
+    assert folder.read_text() == "not a folder"
     client = h.client("k7", 1)
-    assert client.lookup(q([1])) == 0  # the client does not connect through it either
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert client.lookup(q([1])) == 0  # the client does not connect through it either
+    assert f"unsafe folder ({folder}: it is not a directory; not connecting)" in caplog.text
 
 
-def test_client_refuses_a_folder_others_can_enter(h):
+def test_a_symlinked_socket_folder_is_refused_though_the_os_would_follow_it(h, base, caplog):
+    """A link to a private folder of ours holding a live socket: the OS would bind and connect
+    through it; lmcache's own ``lstat`` checks (server and client) refuse it."""
+    target = h.server("elsewhere", 0, lambda query: 1)
+    folder = socket_dir("k7", base=base)
+    folder.symlink_to(target.path.parent, target_is_directory=True)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.connect(str(folder / target.path.name))  # the OS itself lets a connect through
+    with pytest.raises(PermissionError, match=r"found a non-directory owned by uid"):
+        LookupServer("k7", 0, lambda query: 2, lambda: None, base=base)
+    assert folder.is_symlink() and target.path.exists()
+    client = h.client("k7", 1)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert client.lookup(q([1])) == 0
+    assert "unsafe folder" in caplog.text and "it is not a directory" in caplog.text
+    assert client.failures == 1
+
+
+def test_client_refuses_a_folder_others_can_enter(h, caplog):
     server = h.server("k8", 0, lambda query: 1)
     client = h.client("k8", 1)
     os.chmod(server.path.parent, 0o755)
-    assert client.lookup(q([1])) == 0
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert client.lookup(q([1])) == 0  # the OS would connect: lmcache's mode check refuses
+    assert "its mode is 0755, expected 0700; not connecting" in caplog.text
     os.chmod(server.path.parent, 0o700)
     assert client.lookup(q([1])) == 1
+
+
+def test_server_makes_an_open_folder_of_ours_private(h, base):
+    folder = socket_dir("k10", base=base)
+    folder.mkdir(mode=0o755)
+    os.chmod(folder, 0o755)  # whatever the umask
+    h.server("k10", 0, lambda query: 1)
+    assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
+    assert h.client("k10", 1).lookup(q([1])) == 1
 
 
 def test_closed_client_misses_without_raising(h):

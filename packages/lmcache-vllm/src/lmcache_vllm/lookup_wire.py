@@ -1,0 +1,253 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Wire format of the scheduler -> worker lookups of :mod:`lmcache_vllm.lookup`.
+
+Little-endian :mod:`struct` framing, no pickle: a peer can send only numbers, bounded text and
+bounded bytes, and every length is checked against its limit before its bytes are read. A request
+starts with ``u8 op``:
+
+- ``op = 1`` (:data:`OP_LOOKUP`) lookup::
+
+      u16 id_len,   id_len bytes    request id (utf-8, <= MAX_ID_BYTES)
+      u16 salt_len, salt_len bytes  cache salt (utf-8, <= MAX_SALT_BYTES)
+      u16 n_extra,                  extra key material (<= MAX_EXTRA_KEYS entries)
+          n_extra x (u32 chunk index, u8 len, len bytes)   1 <= len <= MAX_EXTRA_KEY_BYTES
+      u32 n_tokens, n_tokens x u32  prompt token ids (<= MAX_TOKENS)
+
+- ``op = 2`` (:data:`OP_CLEAR`) clear: no body.
+
+The reply to either is one ``i64`` (:data:`REPLY`): the leading tokens present (0 for a clear), or
+``-1`` when the server failed (the callback raised or returned a value outside
+``[0, n_tokens]``). A request that breaks the format or a limit makes the server close that
+connection, with one warning.
+
+:func:`encode_lookup` and :func:`encode_clear` frame requests (the former refuses a query beyond a
+limit with :class:`ValueError`); :func:`decode_request` and :func:`decode_request_body` read them
+back from a blocking socket. Sockets, connections, deadlines and failures are
+:mod:`lmcache_vllm.lookup`'s part.
+"""
+
+from __future__ import annotations
+
+import operator
+import socket
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "MAX_EXTRA_KEYS",
+    "MAX_EXTRA_KEY_BYTES",
+    "MAX_ID_BYTES",
+    "MAX_SALT_BYTES",
+    "MAX_TOKENS",
+    "OP_CLEAR",
+    "OP_LOOKUP",
+    "REPLY",
+    "LookupQuery",
+    "decode_request",
+    "decode_request_body",
+    "encode_clear",
+    "encode_lookup",
+]
+
+OP_LOOKUP = 1
+"""Request op byte of a lookup."""
+OP_CLEAR = 2
+"""Request op byte of a clear."""
+MAX_ID_BYTES = 256
+"""Largest request id (utf-8 bytes)."""
+MAX_SALT_BYTES = 256
+"""Largest cache salt (utf-8 bytes); the adapter hashes longer salts before building a query."""
+MAX_EXTRA_KEYS = 4096
+"""Most extra-key entries (chunk index -> bytes) in one lookup."""
+MAX_EXTRA_KEY_BYTES = 64
+"""Largest extra-key value (bytes); values are at least 1 byte."""
+MAX_TOKENS = 1 << 22
+"""Most token ids in one lookup."""
+
+REPLY = struct.Struct("<q")
+"""The reply to any request: one little-endian ``i64`` (hit tokens; 0 for a clear; -1: failed)."""
+
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_EXTRA_HEAD = struct.Struct("<IB")
+_TOKEN_LIMIT = 1 << 32
+
+
+@dataclass(frozen=True)
+class LookupQuery:
+    """One scheduler -> worker lookup.
+
+    Attributes:
+        req_id: vLLM request id; the worker leases the hit chunks under it. Any string; more than
+            :data:`MAX_ID_BYTES` utf-8 bytes is an error at encode.
+        tokens: Prompt token ids, each in ``[0, 2**32)``; at most :data:`MAX_TOKENS`.
+        salt: Already-derived key salt (the adapter hashes long cache salts); at most
+            :data:`MAX_SALT_BYTES` utf-8 bytes.
+        extra_keys: Chunk index -> extra key material of that chunk (1 to
+            :data:`MAX_EXTRA_KEY_BYTES` bytes); at most :data:`MAX_EXTRA_KEYS` entries.
+    """
+
+    req_id: str
+    tokens: Sequence[int]
+    salt: str = ""
+    extra_keys: Mapping[int, bytes] = field(default_factory=dict)
+
+
+def _utf8(text: str, limit: int, what: str) -> bytes:
+    """``text`` as utf-8, at most ``limit`` bytes; ``what`` names it in the ValueError."""
+    if not isinstance(text, str):
+        raise ValueError(f"lookup {what}: expected a str, found {type(text).__name__}")
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"lookup {what} is not encodable as utf-8 ({exc.reason} at {exc.start})"
+        ) from None
+    if len(data) > limit:
+        raise ValueError(
+            f"lookup {what} is {len(data)} utf-8 bytes; expected at most {limit} "
+            f"(hash longer values before building the LookupQuery)"
+        )
+    return data
+
+
+def _bad_token(tokens: Sequence[int]) -> str:
+    """Which token failed to pack as a u32, and why (for the ValueError)."""
+    for i, token in enumerate(tokens):
+        try:
+            value = operator.index(token)
+        except TypeError:
+            return f"token {i} is a {type(token).__name__}, expected an int"
+        if not 0 <= value < _TOKEN_LIMIT:
+            return f"token {i} is {value}, expected a value in [0, 2**32)"
+    return "a token is not a u32"
+
+
+def encode_lookup(query: LookupQuery) -> bytes:
+    """Frame a lookup request (format in the module docstring).
+
+    Raises:
+        ValueError: A field beyond its limit, a token id outside ``[0, 2**32)``, an extra key
+            that is not 1 to :data:`MAX_EXTRA_KEY_BYTES` bytes or whose chunk index is not a u32.
+    """
+    req_id = _utf8(query.req_id, MAX_ID_BYTES, "request id")
+    salt = _utf8(query.salt, MAX_SALT_BYTES, "salt")
+    tokens = query.tokens
+    n = len(tokens)
+    if n > MAX_TOKENS:
+        raise ValueError(
+            f"lookup has {n} tokens; expected at most {MAX_TOKENS} (MAX_TOKENS); "
+            "longer prompts cannot be looked up"
+        )
+    extra = query.extra_keys
+    if len(extra) > MAX_EXTRA_KEYS:
+        raise ValueError(
+            f"lookup has {len(extra)} extra keys; expected at most {MAX_EXTRA_KEYS} (MAX_EXTRA_KEYS)"
+        )
+    parts = [_U8.pack(OP_LOOKUP), _U16.pack(len(req_id)), req_id, _U16.pack(len(salt)), salt]
+    parts.append(_U16.pack(len(extra)))
+    for index, value in extra.items():
+        if not isinstance(value, bytes | bytearray | memoryview):
+            raise ValueError(
+                f"extra key of chunk {index!r} is a {type(value).__name__}; expected bytes"
+            )
+        data = bytes(value)
+        if not 1 <= len(data) <= MAX_EXTRA_KEY_BYTES:
+            raise ValueError(
+                f"extra key of chunk {index!r} is {len(data)} bytes; expected 1 to "
+                f"{MAX_EXTRA_KEY_BYTES} (hash longer material first)"
+            )
+        try:
+            parts.append(_EXTRA_HEAD.pack(index, len(data)))
+        except struct.error:
+            raise ValueError(
+                f"extra key chunk index {index!r}: expected an int in [0, 2**32)"
+            ) from None
+        parts.append(data)
+    parts.append(_U32.pack(n))
+    try:
+        parts.append(struct.pack(f"<{n}I", *tokens))
+    except struct.error:
+        raise ValueError(f"lookup tokens: {_bad_token(tokens)}") from None
+    return b"".join(parts)
+
+
+def encode_clear() -> bytes:
+    """Frame a clear request."""
+    return _U8.pack(OP_CLEAR)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """Exactly ``n`` bytes from ``sock``; ConnectionError if the peer closes first."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError(f"peer closed after {got} of {n} bytes")
+        got += k
+    return buf
+
+
+def _recv_str(sock: socket.socket, limit: int, what: str) -> str:
+    """A ``u16``-length-prefixed utf-8 string of at most ``limit`` bytes (else ValueError)."""
+    (size,) = _U16.unpack(_recv_exact(sock, 2))
+    if size > limit:
+        raise ValueError(f"{what} length {size} exceeds the limit {limit}")
+    try:
+        return _recv_exact(sock, size).decode("utf-8") if size else ""
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} is not utf-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def decode_request_body(sock: socket.socket, op: int) -> LookupQuery | None:
+    """Read the rest of a request whose op byte, ``op``, was already read from ``sock``.
+
+    Returns:
+        The :class:`LookupQuery` of a lookup, ``None`` for a clear.
+
+    Raises:
+        ConnectionError: The peer closed before the request was complete.
+        ValueError: As for :func:`decode_request`.
+    """
+    if op == OP_CLEAR:
+        return None
+    if op != OP_LOOKUP:
+        raise ValueError(f"unknown op {op}; expected {OP_LOOKUP} (lookup) or {OP_CLEAR} (clear)")
+    req_id = _recv_str(sock, MAX_ID_BYTES, "request id")
+    salt = _recv_str(sock, MAX_SALT_BYTES, "salt")
+    (n_extra,) = _U16.unpack(_recv_exact(sock, 2))
+    if n_extra > MAX_EXTRA_KEYS:
+        raise ValueError(f"{n_extra} extra keys exceed the limit {MAX_EXTRA_KEYS}")
+    extra: dict[int, bytes] = {}
+    for _ in range(n_extra):
+        index, size = _EXTRA_HEAD.unpack(_recv_exact(sock, _EXTRA_HEAD.size))
+        if not 1 <= size <= MAX_EXTRA_KEY_BYTES:
+            raise ValueError(
+                f"extra key of chunk {index} is {size} bytes; expected 1 to {MAX_EXTRA_KEY_BYTES}"
+            )
+        if index in extra:
+            raise ValueError(f"chunk index {index} appears twice among the extra keys")
+        extra[index] = bytes(_recv_exact(sock, size))
+    (n,) = _U32.unpack(_recv_exact(sock, 4))
+    if n > MAX_TOKENS:
+        raise ValueError(f"token count {n} exceeds the limit {MAX_TOKENS}")
+    tokens = list(struct.unpack(f"<{n}I", _recv_exact(sock, 4 * n))) if n else []
+    return LookupQuery(req_id=req_id, tokens=tokens, salt=salt, extra_keys=extra)
+
+
+def decode_request(sock: socket.socket) -> LookupQuery | None:
+    """Read one request from ``sock`` (blocking, under the socket's own timeout).
+
+    Returns:
+        The :class:`LookupQuery` of a lookup, ``None`` for a clear.
+
+    Raises:
+        ConnectionError: The peer closed before the request was complete.
+        ValueError: An unknown op, a length beyond its limit, text that is not utf-8 or a chunk
+            index repeated among the extra keys.
+    """
+    return decode_request_body(sock, _recv_exact(sock, 1)[0])
