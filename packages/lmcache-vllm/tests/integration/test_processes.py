@@ -148,8 +148,8 @@ def test_openai_server_with_in_tree_name(model_dir, baseline, tmp_path):
         second = _post(base + "/v1/completions", body)
         assert first["choices"][0]["text"] == second["choices"][0]["text"]
         token_ids = second["choices"][0].get("token_ids")
-        if token_ids is not None:
-            assert list(token_ids) == baseline["p300"]
+        assert token_ids is not None, second["choices"][0]  # return_token_ids was asked for
+        assert list(token_ids) == baseline["p300"]
         with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
             metrics = r.read().decode()
         hits = [

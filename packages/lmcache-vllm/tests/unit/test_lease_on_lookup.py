@@ -60,16 +60,24 @@ def _request(rid: str, tokens: list[int]) -> SimpleNamespace:
 
 
 class Rig:
-    """Scheduler side + worker side of one engine over per-layer vLLM-CPU-format caches."""
+    """Scheduler side + worker side of one engine over per-layer caches in vLLM's layout
+    (``vllm.cpu``'s K-transposed block format on the CPU, ``vllm.cuda``'s K||V on a GPU)."""
 
-    def __init__(self, tmp_path, budget_chunks: int) -> None:
+    def __init__(
+        self, tmp_path, budget_chunks: int, device: str = "cpu", **lmcache: object
+    ) -> None:
         reset_process_cpu_tiers()
         vc = _vllm_config(tmp_path, budget_chunks)
+        vc.kv_transfer_config.kv_connector_extra_config.update(
+            {f"lmcache.{k}": v for k, v in lmcache.items()}
+        )
         config = load_lmcache_config(vc)
         self.meta = LMCacheConnectorMetadata()
         self.worker = WorkerSide(vc, config, engine_key(vc), 1, 0, lambda: self.meta)
         self.caches = {
-            f"model.layers.{i}.self_attn.attn": torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)
+            f"model.layers.{i}.self_attn.attn": torch.randn(
+                NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD, device=device
+            )
             for i in range(LAYERS)
         }
         self.worker.register_kv_caches(self.caches)
@@ -83,9 +91,13 @@ class Rig:
         return out
 
     def step(self, *reqs: ReqMeta) -> None:
+        """One vLLM step: bind, load, the forward's per-layer hooks, save."""
         self.meta = LMCacheConnectorMetadata(requests=list(reqs))
         self.worker.bind(self.meta)
         self.worker.start_load_kv()
+        for name in self.caches:
+            self.worker.wait_for_layer_load(name)
+            self.worker.save_kv_layer(name)
         self.worker.wait_for_save()
 
     def store(self, rid: str, tokens: list[int]) -> list[int]:
@@ -95,7 +107,7 @@ class Rig:
         return blocks
 
     def pages(self, blocks: list[int]) -> torch.Tensor:
-        return torch.stack([c[blocks] for c in self.caches.values()])
+        return torch.stack([c[blocks] for c in self.caches.values()]).cpu()
 
     def close(self) -> None:
         self.scheduler.close()
@@ -103,9 +115,23 @@ class Rig:
         reset_process_cpu_tiers()
 
 
-@pytest.fixture
-def rig(tmp_path):
-    r = Rig(tmp_path, budget_chunks=8)  # two 4-chunk prompts fit; a third evicts
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=[False, True], ids=["batched", "layerwise"])
+def layerwise(request):
+    return request.param
+
+
+@pytest.fixture(params=DEVICES)
+def rig(tmp_path, request, layerwise):
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    # two 4-chunk prompts fit; a third evicts
+    r = Rig(tmp_path, budget_chunks=8, device=request.param, use_layerwise=layerwise)
     yield r
     r.close()
 

@@ -1,0 +1,228 @@
+# SPDX-License-Identifier: Apache-2.0
+"""How long a save holds vLLM's step: the connector's worker side on a CUDA GPU.
+
+Run on a CUDA machine (``python benchmarks/vllm_save_overlap.py``). Drives
+``lmcache_vllm.worker.WorkerSide`` exactly as vLLM does (``bind_connector_metadata``,
+``start_load_kv``, the per-layer hooks, ``wait_for_save``) over caches in vLLM's CUDA layout,
+Llama-8B geometry (32 layers, 8 KV heads of 128, bf16, 16-token pages, shuffled). Per request
+size it prints, medians over ``--reps``:
+
+- ``sync store``: ``LMCacheEngine.store`` of the request (what a synchronous ``wait_for_save``
+  held the step for before saves went off the step);
+- ``wait_for_save``: how long the hook now holds the host (queueing the save);
+- ``next step waits``: how long the next step's ``bind_connector_metadata`` waits for the save's
+  copy out of vLLM's pages, after ``--step-ms`` of simulated compute (the GPU busy with matmuls);
+- ``visible after``: from ``wait_for_save`` until the chunks are checksummed and visible;
+- ``layerwise store``: host time of the ``save_kv_layer`` hooks + ``wait_for_save`` in layerwise
+  mode, summed over the layers;
+- the pinned device-to-host ceiling for the same bytes, measured in the same run.
+
+It first checks that what was saved loads back bit for bit (poisoned pages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from lmcache.gpu_connector import TransferSpec
+from lmcache.tiers import reset_process_cpu_tiers
+from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
+from lmcache_vllm.scheduler import engine_key
+from lmcache_vllm.transfer_plan import slot_mapping
+from lmcache_vllm.vllm_v1_adapter import load_lmcache_config
+from lmcache_vllm.worker import WorkerSide
+
+LAYERS, HEADS, HEAD, PAGE, CHUNK = 32, 8, 128, 16, 256
+DTYPE = torch.bfloat16
+
+
+def _vllm_config(num_layers: int, layerwise: bool, checksum: bool) -> Any:
+    extra = {
+        "lmcache.chunk_size": CHUNK,
+        "lmcache.max_local_cpu_size": 24.0,
+        "lmcache.use_layerwise": layerwise,
+        "lmcache.checksum": checksum,
+    }
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_role="kv_both",
+            engine_id=f"bench-{time.time_ns()}",
+            kv_connector_extra_config=extra,
+        ),
+        instance_id="bench",
+        cache_config=SimpleNamespace(block_size=PAGE, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, rank=0),
+        model_config=SimpleNamespace(
+            model="bench/llama-8b", use_mla=False, get_head_size=lambda: HEAD, dtype="bfloat16"
+        ),
+        compilation_config=SimpleNamespace(static_forward_context={}),
+    )
+
+
+class Bench:
+    def __init__(self, num_blocks: int, layerwise: bool, checksum: bool) -> None:
+        reset_process_cpu_tiers()
+        vc = _vllm_config(LAYERS, layerwise, checksum)
+        self.meta = LMCacheConnectorMetadata()
+        self.worker = WorkerSide(
+            vc, load_lmcache_config(vc), engine_key(vc), 1, 0, lambda: self.meta
+        )
+        raw = torch.randn(LAYERS, num_blocks, PAGE, HEADS, 2 * HEAD, device="cuda", dtype=DTYPE)
+        self.raw = raw
+        self.caches = {
+            f"model.layers.{i}.self_attn.attn": raw[i].permute(0, 2, 1, 3) for i in range(LAYERS)
+        }
+        self.worker.register_kv_caches(self.caches)
+        self.num_blocks = num_blocks
+        self.a = torch.randn(4096, 4096, device="cuda", dtype=DTYPE)
+
+    def busy(self, ms: float) -> None:
+        """Queue about ``ms`` of GPU work on the current stream (the step's compute)."""
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.a @ self.a
+        end.record()
+        end.synchronize()
+        per = max(start.elapsed_time(end), 1e-3)
+        for _ in range(max(1, int(ms / per))):
+            self.a @ self.a
+
+    def step(self, *reqs: ReqMeta) -> tuple[float, float]:
+        """One step; returns (host ms in the save hooks, host ms in bind)."""
+        self.meta = LMCacheConnectorMetadata(requests=list(reqs))
+        t0 = time.perf_counter()
+        self.worker.bind(self.meta)
+        t_bind = time.perf_counter() - t0
+        self.worker.start_load_kv()
+        t_save = 0.0
+        for name in self.caches:
+            self.worker.wait_for_layer_load(name)
+            t1 = time.perf_counter()
+            self.worker.save_kv_layer(name)
+            t_save += time.perf_counter() - t1
+        t1 = time.perf_counter()
+        self.worker.wait_for_save()
+        t_save += time.perf_counter() - t1
+        return t_save * 1e3, t_bind * 1e3
+
+    def request(self, n: int, seed: int) -> tuple[list[int], list[int]]:
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, 100_000, (n,), generator=g).tolist()
+        blocks = (torch.randperm(self.num_blocks - 1, generator=g)[: -(-n // PAGE)] + 1).tolist()
+        return tokens, blocks
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        reset_process_cpu_tiers()
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def run(n: int, reps: int, step_ms: float, checksum: bool) -> dict[str, float | bool]:
+    num_blocks = 2 * n // PAGE + 8
+    bench = Bench(num_blocks, layerwise=False, checksum=checksum)
+    engine = bench.worker.lmcache_engine
+    assert engine is not None
+    nbytes = n * LAYERS * HEADS * 2 * HEAD * 2
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    ceil = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        ceil.append((time.perf_counter() - t) * 1e3)
+
+    # correctness: save, poison, load, compare
+    tokens, blocks = bench.request(n, 0)
+    want = torch.stack([c[blocks] for c in bench.caches.values()]).clone()
+    bench.step(ReqMeta("w", tokens, blocks, save=SaveSpec(0, n)))
+    bench.worker._saves.wait(60)
+    for c in bench.caches.values():
+        c[blocks] = float("nan")
+    load = LoadSpec(vllm_cached=0, lmcache_hit=n, load_end=n - PAGE)
+    bench.step(ReqMeta("r", tokens, blocks, load=load))
+    torch.cuda.synchronize()
+    got = torch.stack([c[blocks] for c in bench.caches.values()])
+    full = (n - PAGE) // PAGE
+    exact = torch.equal(got[:, :full].view(torch.int16), want[:, :full].view(torch.int16))
+
+    sync, hook, fence, visible = [], [], [], []
+    for i in range(reps):
+        tokens, blocks = bench.request(n, 100 + i)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.store(tokens, None, TransferSpec(slot_mapping(blocks, PAGE, n)))
+        sync.append((time.perf_counter() - t) * 1e3)
+        tokens, blocks = bench.request(n, 1000 + i)
+        bench.busy(step_ms)  # the step that wrote this KV
+        t = time.perf_counter()
+        save_ms, _ = bench.step(ReqMeta(f"s{i}", tokens, blocks, save=SaveSpec(0, n)))
+        hook.append(save_ms)
+        bench.busy(step_ms)  # the next step's host-side scheduling + compute queued
+        _, bind_ms = bench.step()
+        fence.append(bind_ms)
+        bench.worker._saves.wait(60)
+        visible.append((time.perf_counter() - t) * 1e3)
+    bench.close()
+
+    lw = Bench(num_blocks, layerwise=True, checksum=checksum)
+    layer_ms = []
+    for i in range(reps):
+        tokens, blocks = lw.request(n, 5000 + i)
+        save_ms, _ = lw.step(ReqMeta(f"l{i}", tokens, blocks, save=SaveSpec(0, n)))
+        layer_ms.append(save_ms)
+        lw.step()
+    lw.close()
+    return {
+        "n": n,
+        "mib": nbytes / 2**20,
+        "ceil_ms": _median(ceil),
+        "sync_ms": _median(sync),
+        "hook_ms": _median(hook),
+        "fence_ms": _median(fence),
+        "visible_ms": _median(visible),
+        "layerwise_ms": _median(layer_ms),
+        "exact": exact,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--step-ms", type=float, default=20.0)
+    parser.add_argument("--checksum", action="store_true", help="lmcache's default checksums on")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("vllm_save_overlap.py needs a CUDA GPU")
+    print(
+        f"{torch.cuda.get_device_name()}, Llama-8B KV geometry, bf16, pages of {PAGE}, "
+        f"checksum={'on' if args.checksum else 'off'}, simulated step {args.step_ms:.0f} ms"
+    )
+    print(
+        f"{'tokens':>7} {'MiB':>7} {'d2h ceil ms':>11} {'sync store ms':>13} "
+        f"{'wait_for_save ms':>16} {'next step waits ms':>18} {'visible after ms':>16} "
+        f"{'layerwise ms':>12} {'bit-exact':>9}"
+    )
+    for n in args.tokens:
+        r = run(n, args.reps, args.step_ms, args.checksum)
+        print(
+            f"{r['n']:>7} {r['mib']:>7.0f} {r['ceil_ms']:>11.1f} {r['sync_ms']:>13.1f} "
+            f"{r['hook_ms']:>16.2f} {r['fence_ms']:>18.2f} {r['visible_ms']:>16.1f} "
+            f"{r['layerwise_ms']:>12.1f} {'yes' if r['exact'] else 'NO':>9}"
+        )
+
+
+if __name__ == "__main__":
+    main()
