@@ -136,12 +136,19 @@ def test_three_loading_ways(run, baseline, config):
     assert warm.cached == [192]
 
 
-def test_reset_prefix_cache_with_connector_empties_lmcache(model_dir, baseline):
+@pytest.mark.parametrize(
+    "config",
+    [{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, MODULE_PATH_KTC],
+    ids=["in-tree-name", "module-path"],
+)
+def test_reset_prefix_cache_with_connector_empties_lmcache(model_dir, baseline, config):
+    """Every loading way, vLLM's in-tree wrapper included, forwards reset_connector and
+    lmcache's stats."""
     from vllm import LLM, SamplingParams
 
-    from .conftest import MAX_TOKENS, engine_kwargs, shutdown_engine
+    from .conftest import MAX_TOKENS, engine_kwargs, metrics_of, shutdown_engine
 
-    llm = LLM(**engine_kwargs(model_dir, kv_transfer_config=ktc()))
+    llm = LLM(**engine_kwargs(model_dir, kv_transfer_config=ktc(config)))
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         prompt = [{"prompt_token_ids": PROMPTS["p300"]}]
@@ -149,6 +156,7 @@ def test_reset_prefix_cache_with_connector_empties_lmcache(model_dir, baseline):
         assert llm.reset_prefix_cache()  # vLLM's own cache only: lmcache still hits
         (o,) = llm.generate(prompt, sp, use_tqdm=False)
         assert o.num_cached_tokens == 256 and list(o.outputs[0].token_ids) == baseline["p300"]
+        assert metrics_of(llm).get("vllm:lmcache_loaded_tokens") == 256
         assert llm.reset_prefix_cache(reset_connector=True)
         assert len(process_tier()) == 0
         (o,) = llm.generate(prompt, sp, use_tqdm=False)

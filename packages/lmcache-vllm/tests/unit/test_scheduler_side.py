@@ -218,7 +218,9 @@ def test_load_shortfall_reports_blocks():
     assert impl.get_block_ids_with_load_errors() == set()
 
 
-@pytest.mark.parametrize("hit", [0, 100])
+@pytest.mark.parametrize("hit", [64, 256])
 def test_kv_producer_never_loads(hit):
-    impl, _ = make_impl(hit=hit, kv_role="kv_producer")
-    assert impl.get_num_new_matched_tokens(request("z", list(range(300))), 0) == 0
+    producer, _ = make_impl(hit=hit, kv_role="kv_producer")
+    assert producer.get_num_new_matched_tokens(request("z", list(range(300))), 0) == 0
+    both, _ = make_impl(hit=hit)  # control: the same hit is loaded with kv_both
+    assert both.get_num_new_matched_tokens(request("z", list(range(300))), 0) == hit
