@@ -224,3 +224,22 @@ def test_kv_producer_never_loads(hit):
     assert producer.get_num_new_matched_tokens(request("z", list(range(300))), 0) == 0
     both, _ = make_impl(hit=hit)  # control: the same hit is loaded with kv_both
     assert both.get_num_new_matched_tokens(request("z", list(range(300))), 0) == hit
+
+
+def test_ranks_on_other_nodes_turn_loads_off_with_one_clear_line(caplog):
+    cfg = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_role="kv_both", engine_id="e"),
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        instance_id="i",
+    )
+    from lmcache.config import LMCacheConfig
+    from lmcache_vllm.scheduler import SchedulerSide
+
+    side = SchedulerSide(cfg, LMCacheConfig(chunk_size=CHUNK), world_size=4, local_world_size=2)
+    side._lookup_client = FakeClient(256)
+    assert side.get_num_new_matched_tokens(request("x", list(range(300))), 0) == 0
+    (line,) = [r.getMessage() for r in caplog.records if "span several nodes" in r.getMessage()]
+    assert "loads nothing" in line and "only stores" in line
+    local = SchedulerSide(cfg, LMCacheConfig(chunk_size=CHUNK), world_size=4, local_world_size=4)
+    local._lookup_client = FakeClient(256)  # control: all ranks on this node
+    assert local.get_num_new_matched_tokens(request("x", list(range(300))), 0) == 256
