@@ -24,9 +24,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-__all__ = ["CommitJob", "CopyJob", "SaveQueue"]
+__all__ = ["CommitJob", "CopyJob", "SaveQueue", "UnpublishedSaves"]
 
 logger = logging.getLogger(__name__)
 
@@ -157,3 +157,55 @@ class SaveQueue:
             self._copies.thread.join(timeout)
             self._commits.thread.join(timeout)
         return drained
+
+
+class UnpublishedSaves:
+    """Saves queued but not yet visible to lookups, so a lookup can wait for one it needs.
+
+    Without this a prompt sent again right after its first run could miss KV that is still
+    being copied or checksummed. Thread-safe.
+
+    Args:
+        chunk_size: Tokens per chunk.
+    """
+
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self._saves: dict[int, tuple[str, list[int]]] = {}
+        self._cond = threading.Condition()
+        self._next = 0
+
+    def add(self, salt: str, tokens: list[int]) -> int:
+        """Note a queued save of ``tokens`` under ``salt``; returns its id for :meth:`done`."""
+        with self._cond:
+            job = self._next
+            self._next += 1
+            self._saves[job] = (salt, tokens)
+        return job
+
+    def done(self, job: int) -> None:
+        """The save ``job`` is published (or failed)."""
+        with self._cond:
+            self._saves.pop(job, None)
+            self._cond.notify_all()
+
+    def wait_for(self, salt: str, tokens: Sequence[int], found: int, timeout: float = 0.5) -> bool:
+        """Wait (at most ``timeout`` s) for queued saves that would extend a hit of ``found``
+        tokens: same salt, same tokens through the first missing chunk.
+
+        Returns:
+            Whether there was such a save (look again).
+        """
+        cut = min(len(tokens), (found // self.chunk_size + 1) * self.chunk_size)
+        want = list(tokens[:cut])
+
+        def _blocking() -> bool:
+            return any(
+                s == salt and len(t) >= cut and t[:cut] == want for s, t in self._saves.values()
+            )
+
+        with self._cond:
+            if not _blocking():
+                return False
+            self._cond.wait_for(lambda: not _blocking(), timeout)
+        return True

@@ -3,18 +3,19 @@
 
 One per worker process (vLLM keeps one worker-side connector per process). Per step:
 
-1. :meth:`WorkerSide.bind`: waits for in-flight saves of requests vLLM preempted (their blocks
-   are about to be reused), releases leased lookup hits that timed out.
+1. :meth:`WorkerSide.bind`: waits until queued saves have copied their pages (vLLM may now
+   rewrite freed or preempted blocks), releases leases of preempted requests and stale ones.
 2. :meth:`WorkerSide.start_load_kv`: one batched ``LMCacheEngine.retrieve`` per request that has
-   a load, using the chunks this rank leased at lookup (:mod:`lmcache_vllm.held_hits`), or a
-   layerwise retrieve driven by :meth:`WorkerSide.wait_for_layer_load`. Tokens that did not
-   arrive make their blocks a load error (vLLM's ``get_block_ids_with_load_errors``).
-3. :meth:`WorkerSide.wait_for_save`: queues one batched ``LMCacheEngine.store`` per request on
-   the :class:`~lmcache_vllm.save_queue.SaveQueue` and returns at once (on CUDA the copy waits
-   for an event recorded after the step's compute). Layerwise mode stores per layer in
-   :meth:`WorkerSide.save_kv_layer` instead.
-4. :meth:`WorkerSide.get_finished`: reports finished requests whose saves have all completed
-   (vLLM kept their blocks: the scheduler side returned ``True`` from ``request_finished``).
+   a load, using the chunks this rank leased at lookup (:mod:`lmcache_vllm.held_hits`); in
+   layerwise mode every layer is enqueued at once and :meth:`WorkerSide.wait_for_layer_load`
+   orders each layer's compute after its copy (:mod:`lmcache_vllm.worker_layerwise`). Tokens that
+   did not arrive make their blocks a load error (vLLM's ``get_block_ids_with_load_errors``).
+3. :meth:`WorkerSide.wait_for_save`: queues one save per request on the
+   :class:`~lmcache_vllm.save_queue.SaveQueue` and returns at once (on CUDA the copy waits for an
+   event recorded after the step's compute); layerwise, :meth:`WorkerSide.save_kv_layer` queues
+   each layer's copy the same way.
+4. :meth:`WorkerSide.get_finished`: releases finished requests' leases; nothing is held for
+   lmcache, so nothing is reported as finished sending.
 
 Loads and saves share one transfer lock: a load waits for a save copying at that moment (the
 connector's staging buffers are not shared between concurrent transfers).
@@ -39,11 +40,12 @@ from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, ReqMeta, W
 from lmcache_vllm.held_hits import HeldHits
 from lmcache_vllm.kv_registration import build_metadata, order_caches
 from lmcache_vllm.lookup import LookupQuery, LookupServer
-from lmcache_vllm.save_queue import CommitJob, CopyJob, SaveQueue
+from lmcache_vllm.save_queue import CommitJob, CopyJob, SaveQueue, UnpublishedSaves
 from lmcache_vllm.transfer_plan import load_plan, skip_mask, slot_mapping
-from lmcache_vllm.worker_layerwise import LayerwiseStep
+from lmcache_vllm.worker_layerwise import LayerwiseStep, PendingSave
 
 if TYPE_CHECKING:
+    from lmcache.cache_engine import LayerwiseRetrieve
     from lmcache.held_hit import HeldHit
 
 __all__ = ["SECOND_ENGINE_ERROR", "WorkerSide"]
@@ -99,14 +101,11 @@ class WorkerSide:
         self._stats = WorkerStats()
         self._stats_lock = threading.Lock()
         self._xfer_lock = threading.Lock()
-        self._layerwise = LayerwiseStep(self._xfer_lock, self._fail_whole_load, self._count_save)
+        self._layerwise: LayerwiseStep | None = None  # built with the caches (device)
         self._held = HeldHits()
         self._saves = SaveQueue(f"lmcache-save-rank{rank}")
         self._save_stream: Any = None
-        # saves queued but not yet visible: job id -> (salt, tokens); see _wait_for_saves
-        self._unpublished: dict[int, tuple[str, list[int]]] = {}
-        self._unpublished_cond = threading.Condition()
-        self._next_job = 0
+        self._unpublished = UnpublishedSaves(self.chunk_size)
 
     # ------------------------------------------------------------------ registration
 
@@ -150,6 +149,9 @@ class WorkerSide:
         )
         self.lmcache_engine = engine
         self._registered = caches
+        self._layerwise = LayerwiseStep(
+            self._xfer_lock, self._saves, first.device, self._fail_whole_load
+        )
         self._layer_ids = {n: i for i, n in enumerate(names)}
         if self._on_engine is not None:
             self._on_engine(engine)
@@ -174,35 +176,13 @@ class WorkerSide:
             return reused
         extra = dict(query.extra_keys) or None
         hit = engine.lookup_and_lease(query.tokens, salt=query.salt, extra_keys=extra)
-        if hit.num_tokens < len(query.tokens) and self._wait_for_saves(query, hit.num_tokens):
+        if hit.num_tokens < len(query.tokens) and self._unpublished.wait_for(
+            query.salt, query.tokens, hit.num_tokens
+        ):
             hit.release()  # a save of the missing chunks was queued: look again
             hit = engine.lookup_and_lease(query.tokens, salt=query.salt, extra_keys=extra)
         self._held.put(query.req_id, hit, len(query.tokens), query.salt)
         return hit.num_tokens
-
-    def _wait_for_saves(self, query: LookupQuery, found: int, timeout: float = 0.5) -> bool:
-        """Wait (bounded) for queued saves that would extend this lookup's hit: same salt and
-        the same tokens through the first missing chunk. Without this a prompt sent again
-        right after its first run could miss KV that is still being checksummed."""
-        cut = min(len(query.tokens), (found // self.chunk_size + 1) * self.chunk_size)
-        want = list(query.tokens[:cut])
-
-        def _blocking() -> bool:
-            return any(
-                salt == query.salt and len(tokens) >= cut and tokens[:cut] == want
-                for salt, tokens in self._unpublished.values()
-            )
-
-        with self._unpublished_cond:
-            if not _blocking():
-                return False
-            self._unpublished_cond.wait_for(lambda: not _blocking(), timeout)
-        return True
-
-    def _published(self, job: int) -> None:
-        with self._unpublished_cond:
-            self._unpublished.pop(job, None)
-            self._unpublished_cond.notify_all()
 
     def _clear(self) -> None:
         if self.lmcache_engine is not None:
@@ -218,7 +198,8 @@ class WorkerSide:
         """Start of a step, before anything writes vLLM's pages: finish the previous step's
         layerwise work, wait until queued saves have copied their pages (vLLM may reuse freed or
         preempted blocks from now on), release leases of preempted requests and stale ones."""
-        self._layerwise.finish()
+        if self._layerwise is not None:
+            self._layerwise.finish()
         self._fence()
         if not isinstance(meta, LMCacheConnectorMetadata):
             return
@@ -273,26 +254,35 @@ class WorkerSide:
         )
 
     def start_load_kv(self) -> None:
-        """Load every request's hit (one batched retrieve each, or start layerwise loads)."""
+        """Load every request's hit: one batched retrieve each, or, layerwise, enqueue every
+        layer now (prefetch; the forward waits per layer in :meth:`wait_for_layer_load`)."""
         meta = self._meta()
         engine = self.lmcache_engine
         if meta is None or engine is None:
             return
+        layerwise: list[tuple[ReqMeta, LayerwiseRetrieve, HeldHit | None]] = []
         for req in meta.requests:
             held = self._held.pop(req.req_id)
             if req.load is None:
                 if held is not None:
                     held.release()
                 continue
-            self._load_one(engine, req, held)
+            started = self._load_one(engine, req, held)
+            if started is not None:
+                layerwise.append((req, started, held))
+        if layerwise and self._layerwise is not None:
+            self._layerwise.start_loads(layerwise, engine.metadata.num_layers)
 
-    def _load_one(self, engine: LMCacheEngine, req: ReqMeta, held: HeldHit | None) -> None:
+    def _load_one(
+        self, engine: LMCacheEngine, req: ReqMeta, held: HeldHit | None
+    ) -> LayerwiseRetrieve | None:
+        """Load ``req`` (batched), or return its layerwise retrieve for the caller to drive."""
         plan = load_plan(req, self.block_size, self.chunk_size)
         if plan is None:
             if held is not None:
                 held.release()
             self._record_load(req, None)
-            return
+            return None
         tokens, mask, transfer, _ = plan
         extra = req.extra_keys or None
         started = time.perf_counter()
@@ -302,12 +292,11 @@ class WorkerSide:
                 retriever = engine.retrieve_layerwise(
                     tokens, mask, transfer, salt=req.salt, extra_keys=extra, held=held
                 )
-                self._layerwise.add_load(req, retriever, held)
                 full = torch.zeros(len(req.token_ids), dtype=torch.bool)
                 lo = req.load.vllm_cached // self.chunk_size * self.chunk_size  # type: ignore[union-attr]
                 full[lo : lo + retriever.num_hit_tokens] = True
                 self._record_load(req, full)
-                return
+                return retriever
             with self._xfer_lock:
                 loaded = engine.retrieve(
                     tokens, mask, transfer, salt=req.salt, extra_keys=extra, held=held
@@ -319,12 +308,13 @@ class WorkerSide:
         with self._stats_lock:
             self._stats.load_seconds += time.perf_counter() - started
         self._record_load(req, loaded)
+        return None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Layerwise: load ``layer_name`` of every pending retrieve."""
+        """Layerwise: order the forward's use of ``layer_name`` after its loads."""
         layer = self._layer_ids.get(layer_name)
-        if layer is not None:
-            self._layerwise.load_layer(layer)
+        if layer is not None and self._layerwise is not None:
+            self._layerwise.wait_layer(layer)
 
     def _fail_whole_load(self, req: ReqMeta) -> None:
         load = req.load
@@ -333,14 +323,15 @@ class WorkerSide:
             self._load_errors.update(req.block_ids[first:end])
 
     def save_kv_layer(self, layer_name: str) -> None:
-        """Layerwise: save ``layer_name`` of every request with tokens to save this step."""
+        """Layerwise: queue the copy of ``layer_name`` for every request saving this step."""
         engine = self.lmcache_engine
         layer = self._layer_ids.get(layer_name)
-        if not self.config.use_layerwise or engine is None or layer is None:
+        lw = self._layerwise
+        if not self.config.use_layerwise or engine is None or layer is None or lw is None:
             return
-        if not self._layerwise.saves_started:
+        if not lw.saves_started:
             meta = self._meta()
-            storers = []
+            saves = []
             for req in meta.requests if meta is not None else []:
                 if req.save is None:
                     continue
@@ -354,9 +345,21 @@ class WorkerSide:
                 except Exception:
                     logger.exception("lmcache: layerwise save of %s failed", req.req_id)
                     continue
-                storers.append((req, storer))
-            self._layerwise.add_saves(storers)
-        self._layerwise.save_layer(layer)
+                saves.append(PendingSave(req, storer, self._save_done(req.salt, tokens)))
+            lw.start_saves(saves)
+        lw.save_layer(layer)
+
+    def _save_done(self, salt: str, tokens: list[int]) -> Callable[[int | None], None]:
+        """Registers a save as unpublished; the callback publishes and counts it."""
+        job = self._unpublished.add(salt, tokens)
+        started = time.perf_counter()
+
+        def _done(stored: int | None) -> None:
+            self._unpublished.done(job)
+            if stored is not None:
+                self._count_save(stored, time.perf_counter() - started)
+
+        return _done
 
     def _count_save(self, stored: int, seconds: float) -> None:
         with self._stats_lock:
@@ -367,7 +370,8 @@ class WorkerSide:
     def wait_for_save(self) -> None:
         """Queue every request's save of newly computed tokens and return at once."""
         if self.config.use_layerwise:
-            self._layerwise.finish()
+            if self._layerwise is not None:
+                self._layerwise.finish()  # queues this step's commits
             return
         meta = self._meta()
         engine = self.lmcache_engine
@@ -389,10 +393,7 @@ class WorkerSide:
         mask = self._mask(len(tokens), req.save.skip)
         slots = self._slot_mapping(req, len(tokens))
         extra = req.extra_keys or None
-        with self._unpublished_cond:
-            job = self._next_job
-            self._next_job += 1
-            self._unpublished[job] = (req.salt, tokens)
+        job = self._unpublished.add(req.salt, tokens)
 
         def _copy() -> CommitJob:
             started = time.perf_counter()
@@ -411,14 +412,14 @@ class WorkerSide:
                                 tokens, mask, transfer, salt=req.salt, extra_keys=extra
                             )
             except BaseException:
-                self._published(job)
+                self._unpublished.done(job)
                 raise
 
             def _commit() -> None:
                 try:
                     stored = staged.commit()
                 finally:
-                    self._published(job)
+                    self._unpublished.done(job)
                 self._count_save(stored, time.perf_counter() - started)
 
             return _commit
@@ -455,7 +456,8 @@ class WorkerSide:
         if self._lookup_server is not None:
             self._lookup_server.close()
             self._lookup_server = None
-        self._layerwise.abort()
+        if self._layerwise is not None:
+            self._layerwise.abort()
         self._held.clear()
         if self.lmcache_engine is not None:
             self.lmcache_engine.close()  # the process-wide tier keeps the chunks

@@ -1,28 +1,49 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Layerwise mode of the worker: one step's per-layer loads and saves.
+"""Layerwise mode of the worker: one step's per-layer loads and saves, off the forward's path.
 
-With ``use_layerwise``, a hit is loaded layer by layer as vLLM's forward reaches each layer
-(``wait_for_layer_load``) and a save copies each layer once the forward has written it
-(``save_kv_layer``); both finish when the step ends (the next ``bind_connector_metadata`` or
-``wait_for_save``). Chunks of a layerwise save become visible to lookups only at that end.
+With ``use_layerwise``:
+
+- **Loads prefetch.** ``start_load_kv`` enqueues every layer of every hit at once: on CUDA on a
+  load stream, recording one event per layer, so layer ``i + 1`` (and later ones) copy while
+  layer ``i`` computes; ``wait_for_layer_load(i)`` only makes the compute stream wait for layer
+  ``i``'s event (no host wait). On the CPU the copies run in ``start_load_kv``.
+- **Saves are queued.** ``save_kv_layer(i)`` records an event after layer ``i``'s compute (CUDA)
+  and queues the copy of that layer on the :class:`~lmcache_vllm.save_queue.SaveQueue`'s copy
+  thread (on a store stream that waits for the event), returning at once; the step's end queues
+  the commit (checksum, publish). Chunks of a layerwise save become visible only then. The next
+  step's fence (``bind_connector_metadata``) waits for the copies, as for batched saves.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from lmcache_vllm.connector_metadata import ReqMeta
+from lmcache_vllm.save_queue import CommitJob, SaveQueue
 
 if TYPE_CHECKING:
     from lmcache.cache_engine import HeldHit, LayerwiseRetrieve, LayerwiseStore
 
-__all__ = ["LayerwiseStep"]
+__all__ = ["LayerwiseStep", "PendingSave"]
 
 logger = logging.getLogger(__name__)
+
+
+class PendingSave:
+    """One request's layerwise store in this step, with the callbacks around its commit."""
+
+    def __init__(
+        self, req: ReqMeta, storer: LayerwiseStore, on_done: Callable[[int | None], None]
+    ) -> None:
+        self.req = req
+        self.storer = storer
+        self.on_done = on_done  # stored tokens, or None when it failed
+        self.failed = False
 
 
 class LayerwiseStep:
@@ -30,61 +51,134 @@ class LayerwiseStep:
 
     Args:
         xfer_lock: Serialises transfers with the worker's other users of the connector.
-        on_load_failed: Called with a request whose load failed part-way (its blocks become
-            load errors).
-        on_saved: Called with (tokens stored, seconds) for each completed save.
+        saves: The worker's save queue (copies and commits).
+        device: The KV caches' device (CUDA: streams and events; CPU: in order on the host).
+        on_load_failed: Called with a request whose load failed (its blocks become load errors).
     """
 
     def __init__(
         self,
         xfer_lock: threading.Lock,
+        saves: SaveQueue,
+        device: torch.device,
         on_load_failed: Callable[[ReqMeta], None],
-        on_saved: Callable[[int, float], None],
     ) -> None:
         self._lock = xfer_lock
+        self._saves = saves
+        self._cuda = device.type == "cuda"
+        self._device = device
         self._on_load_failed = on_load_failed
-        self._on_saved = on_saved
-        self._retrievers: list[tuple[ReqMeta, LayerwiseRetrieve, HeldHit | None]] = []
-        self._storers: list[tuple[ReqMeta, LayerwiseStore, float]] = []
+        self._loads: list[tuple[ReqMeta, LayerwiseRetrieve, HeldHit | None]] = []
+        self._layer_ready: dict[int, Any] = {}  # layer -> CUDA event after its loads
+        self._saving: list[PendingSave] = []
         self.saves_started = False
+        self.load_stream: Any = None
+        self.store_stream: Any = None
+        if self._cuda:
+            self.load_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            self.store_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
-    def add_load(self, req: ReqMeta, retriever: LayerwiseRetrieve, held: HeldHit | None) -> None:
-        """Drive ``retriever`` per layer this step; ``held`` is released at the end."""
-        self._retrievers.append((req, retriever, held))
+    # ------------------------------------------------------------------ loads
 
-    def add_saves(self, storers: Iterable[tuple[ReqMeta, LayerwiseStore]]) -> None:
+    def start_loads(
+        self, loads: Sequence[tuple[ReqMeta, LayerwiseRetrieve, HeldHit | None]], num_layers: int
+    ) -> None:
+        """Enqueue every layer of these loads now (see the module docstring)."""
+        if not loads:
+            return
+        self._loads += loads
+        for layer in range(num_layers):
+            for item in list(self._loads):
+                req, retriever, held = item
+                try:
+                    with self._lock:
+                        if self._cuda:
+                            with torch.cuda.stream(self.load_stream):
+                                retriever.load_layer(layer)
+                        else:
+                            retriever.load_layer(layer)
+                except Exception:
+                    logger.exception("lmcache: layerwise load of %s failed", req.req_id)
+                    self._loads.remove(item)
+                    if held is not None:
+                        held.release()
+                    self._on_load_failed(req)
+            if self._cuda:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(self.load_stream)
+                self._layer_ready[layer] = event
+
+    def wait_layer(self, layer: int) -> None:
+        """Order the forward's use of ``layer`` after its loads (a device-side wait)."""
+        event = self._layer_ready.pop(layer, None)
+        if event is not None:
+            torch.cuda.current_stream(self._device).wait_event(event)
+
+    # ------------------------------------------------------------------ saves
+
+    def start_saves(self, saves: Sequence[PendingSave]) -> None:
         """Drive these stores per layer this step."""
         self.saves_started = True
-        started = time.perf_counter()
-        self._storers += [(req, storer, started) for req, storer in storers]
-
-    def load_layer(self, layer: int) -> None:
-        """Copy ``layer`` of every pending load into vLLM's pages."""
-        for item in list(self._retrievers):
-            req, retriever, held = item
-            try:
-                with self._lock:
-                    retriever.load_layer(layer)
-            except Exception:
-                logger.exception("lmcache: layerwise load of %s failed", req.req_id)
-                self._retrievers.remove(item)
-                if held is not None:
-                    held.release()
-                self._on_load_failed(req)
+        self._saving += saves
 
     def save_layer(self, layer: int) -> None:
-        """Copy ``layer`` of every pending save out of vLLM's pages."""
-        for item in list(self._storers):
+        """Queue the copy of ``layer`` of every pending save (returns at once)."""
+        if not self._saving:
+            return
+        ready = None
+        if self._cuda:
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record(torch.cuda.current_stream(self._device))
+        for save in self._saving:
+            self._saves.submit(save.req.req_id, self._copy_job(save, layer, ready))
+
+    def _copy_job(self, save: PendingSave, layer: int, ready: Any) -> Callable[[], None]:
+        def _copy() -> None:
+            if save.failed:
+                return
             try:
                 with self._lock:
-                    item[1].store_layer(layer)
-            except Exception:
-                logger.exception("lmcache: layerwise save of %s failed", item[0].req_id)
-                self._storers.remove(item)
+                    if ready is None:
+                        save.storer.store_layer(layer)
+                    else:
+                        self.store_stream.wait_event(ready)
+                        with torch.cuda.stream(self.store_stream):
+                            save.storer.store_layer(layer)
+            except BaseException:
+                save.failed = True
+                save.on_done(None)
+                raise
+
+        return _copy
+
+    def _commit_job(self, save: PendingSave) -> Callable[[], CommitJob | None]:
+        def _queue_commit() -> CommitJob | None:
+            if save.failed:
+                return None
+
+            def _commit() -> None:
+                try:
+                    stored = save.storer.finish()
+                except BaseException:
+                    save.on_done(None)
+                    raise
+                save.on_done(stored)
+
+            return _commit
+
+        return _queue_commit
+
+    # ------------------------------------------------------------------ step end
 
     def finish(self) -> None:
-        """End of step: wait for the loads, publish the saves, release every lease."""
-        for req, retriever, held in self._retrievers:
+        """End of step: queue the saves' commits, wait for the loads, release their leases."""
+        for save in self._saving:
+            self._saves.submit(save.req.req_id, self._commit_job(save))
+        self._saving = []
+        self.saves_started = False
+        if self._loads and self._cuda:
+            self.load_stream.synchronize()  # before the leases go: no copy reads a freed buffer
+        for req, retriever, held in self._loads:
             try:
                 with self._lock:
                     retriever.finish()
@@ -94,22 +188,18 @@ class LayerwiseStep:
             finally:
                 if held is not None:
                     held.release()
-        for req, storer, started in self._storers:
-            try:
-                stored = storer.finish()
-            except Exception as exc:
-                logger.warning("lmcache: layerwise save of %s incomplete (%s)", req.req_id, exc)
-                continue
-            self._on_saved(stored, time.perf_counter() - started)
-        self._retrievers, self._storers = [], []
-        self.saves_started = False
+        self._loads = []
+        self._layer_ready.clear()
 
     def abort(self) -> None:
         """Drop every pending load and save (shutdown)."""
-        for _, retriever, held in self._retrievers:
+        for _, retriever, held in self._loads:
             retriever.abort()
             if held is not None:
                 held.release()
-        for _, storer, _ in self._storers:
-            storer.abort()
-        self._retrievers, self._storers = [], []
+        for save in self._saving:
+            save.failed = True
+            save.storer.abort()
+            save.on_done(None)
+        self._loads, self._saving = [], []
+        self._layer_ready.clear()
