@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -336,16 +337,15 @@ class WorkerSide:
                 if req.save is None:
                     continue
                 tokens = req.token_ids[: req.save.end]
-                transfer = TransferSpec(self._slot_mapping(req, len(tokens)))
-                mask = self._mask(len(tokens), req.save.skip)
-                try:
-                    storer = engine.store_layerwise(
-                        tokens, mask, transfer, salt=req.salt, extra_keys=req.extra_keys or None
-                    )
-                except Exception:
-                    logger.exception("lmcache: layerwise save of %s failed", req.req_id)
-                    continue
-                saves.append(PendingSave(req, storer, self._save_done(req.salt, tokens)))
+                begin = partial(
+                    engine.store_layerwise,
+                    tokens,
+                    self._mask(len(tokens), req.save.skip),
+                    TransferSpec(self._slot_mapping(req, len(tokens))),
+                    salt=req.salt,
+                    extra_keys=req.extra_keys or None,
+                )  # leases its buffers on the save thread, not in the forward
+                saves.append(PendingSave(req, begin, self._save_done(req.salt, tokens)))
             lw.start_saves(saves)
         lw.save_layer(layer)
 

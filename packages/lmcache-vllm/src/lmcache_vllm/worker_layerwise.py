@@ -35,14 +35,25 @@ logger = logging.getLogger(__name__)
 
 
 class PendingSave:
-    """One request's layerwise store in this step, with the callbacks around its commit."""
+    """One request's layerwise store in this step.
+
+    Args:
+        req: The request.
+        begin: Starts the store (``LMCacheEngine.store_layerwise``: plans and leases buffers);
+            called by the first layer's copy job, on the save thread.
+        on_done: Called once with the tokens stored, or ``None`` when the save failed.
+    """
 
     def __init__(
-        self, req: ReqMeta, storer: LayerwiseStore, on_done: Callable[[int | None], None]
+        self,
+        req: ReqMeta,
+        begin: Callable[[], LayerwiseStore],
+        on_done: Callable[[int | None], None],
     ) -> None:
         self.req = req
-        self.storer = storer
-        self.on_done = on_done  # stored tokens, or None when it failed
+        self.begin = begin
+        self.storer: LayerwiseStore | None = None
+        self.on_done = on_done
         self.failed = False
 
 
@@ -137,13 +148,16 @@ class LayerwiseStep:
             if save.failed:
                 return
             try:
+                if save.storer is None:
+                    save.storer = save.begin()
+                storer = save.storer
                 with self._lock:
                     if ready is None:
-                        save.storer.store_layer(layer)
+                        storer.store_layer(layer)
                     else:
                         self.store_stream.wait_event(ready)
                         with torch.cuda.stream(self.store_stream):
-                            save.storer.store_layer(layer)
+                            storer.store_layer(layer)
             except BaseException:
                 save.failed = True
                 save.on_done(None)
@@ -153,12 +167,15 @@ class LayerwiseStep:
 
     def _commit_job(self, save: PendingSave) -> Callable[[], CommitJob | None]:
         def _queue_commit() -> CommitJob | None:
-            if save.failed:
+            storer = save.storer
+            if save.failed or storer is None:
+                if not save.failed:
+                    save.on_done(None)  # no layer was ever saved (the forward skipped us)
                 return None
 
             def _commit() -> None:
                 try:
-                    stored = save.storer.finish()
+                    stored = storer.finish()
                 except BaseException:
                     save.on_done(None)
                     raise
@@ -199,7 +216,8 @@ class LayerwiseStep:
                 held.release()
         for save in self._saving:
             save.failed = True
-            save.storer.abort()
+            if save.storer is not None:
+                save.storer.abort()
             save.on_done(None)
         self._loads, self._saving = [], []
         self._layer_ready.clear()
