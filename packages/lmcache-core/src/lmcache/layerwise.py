@@ -230,6 +230,32 @@ class LayerwiseRetrieve(_LayerwiseOp):
         """Tokens that will be loaded (``True`` entries of the final mask)."""
         return int(self._mask.sum())
 
+    def load_layers(self, stop: int) -> None:
+        """Copy layers ``next .. stop - 1`` of every hit chunk into the engine in one
+        ``to_gpu_layers`` call (the next layers in order; ``stop`` at most ``num_layers``).
+
+        A connector error aborts the retrieve and is raised.
+
+        Raises:
+            ValueError: ``stop`` is not after the next layer or beyond the last one.
+        """
+        start = self._next_layer
+        if not start < stop <= self._num_layers:
+            raise ValueError(
+                f"{self._what}.load_layers({stop}): expected {start} < stop <= "
+                f"{self._num_layers} (the next layer is {start})."
+            )
+        self._check_layer(start)
+        if self._pending:
+            try:
+                self._layerwise.to_gpu_layers(
+                    range(start, stop), [p.chunk for p in self._pending], self._transfer
+                )
+            except BaseException:
+                self.abort()
+                raise
+        self._next_layer = stop
+
     def load_layer(self, layer: int) -> None:
         """Copy ``layer`` of every hit chunk into the engine (one ``to_gpu_layer`` call).
 

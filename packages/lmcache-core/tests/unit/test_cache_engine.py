@@ -525,3 +525,22 @@ def test_copy_out_then_commit_in_two_halves() -> None:
     assert s.engine.pool.used_bytes == used + 2 * CHUNK_BYTES
     aborted.abort()
     assert s.engine.pool.used_bytes == used and s.engine.lookup(other) == 0
+
+
+def test_layerwise_load_layers_in_groups_matches_per_layer() -> None:
+    """load_layers(stop) moves a range of layers in one to_gpu_layers call (the default loops
+    to_gpu_layer); the result is bit-identical to a plain retrieve."""
+    s = Setup(5, layerwise=True)
+    tokens, src, dst = s.request(48)
+    s.engine.store(tokens, None, src)
+    s.to_dst()
+    retriever = s.engine.retrieve_layerwise(tokens, None, dst)
+    with pytest.raises(ValueError, match="expected 0 < stop"):
+        retriever.load_layers(LAYERS + 1)
+    retriever.load_layers(1)
+    with pytest.raises(ValueError, match="the next layer is 1"):
+        retriever.load_layers(1)
+    retriever.load_layers(LAYERS)
+    loaded = retriever.finish()
+    assert s.conn.calls["to_gpu_layer"] == LAYERS  # the default: one call per layer
+    s.check_loaded(src, dst, loaded)

@@ -291,6 +291,12 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface,
     ) -> None:
         self._to(range(layer, layer + 1), chunks, transfer)
 
+    def to_gpu_layers(
+        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> None:
+        """Several layers in one transfer (one strided op and merged DMAs on the fused path)."""
+        self._to(layers, chunks, transfer)
+
     def _from(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
         if not chunks:
             return

@@ -3,10 +3,11 @@
 
 With ``use_layerwise``:
 
-- **Loads prefetch.** ``start_load_kv`` enqueues every layer of every hit at once: on CUDA on a
-  load stream, recording one event per layer, so layer ``i + 1`` (and later ones) copy while
-  layer ``i`` computes; ``wait_for_layer_load(i)`` only makes the compute stream wait for layer
-  ``i``'s event (no host wait). On the CPU the copies run in ``start_load_kv``.
+- **Loads prefetch.** ``start_load_kv`` enqueues every layer of every hit at once, in groups of
+  1, 1, 2, 4, 8, ... layers (:func:`layer_groups`; one transfer per group): on CUDA on a load
+  stream, recording an event per group, so later layers copy while earlier ones compute;
+  ``wait_for_layer_load(i)`` only makes the compute stream wait for layer ``i``'s group (no host
+  wait). On the CPU the copies run in ``start_load_kv``.
 - **Saves are queued.** ``save_kv_layer(i)`` records an event after layer ``i``'s compute (CUDA)
   and queues the copy of that layer on the :class:`~lmcache_vllm.save_queue.SaveQueue`'s copy
   thread (on a store stream that waits for the event), returning at once; the step's end queues
@@ -29,9 +30,26 @@ from lmcache_vllm.save_queue import CommitJob, SaveQueue
 if TYPE_CHECKING:
     from lmcache.cache_engine import HeldHit, LayerwiseRetrieve, LayerwiseStore
 
-__all__ = ["LayerwiseStep", "PendingSave"]
+__all__ = ["LayerwiseStep", "PendingSave", "layer_groups"]
 
 logger = logging.getLogger(__name__)
+
+
+def layer_groups(num_layers: int) -> list[range]:
+    """Layers in the groups a layerwise load moves them: 1, 1, 2, 4, 8, ... layers, so the first
+    layer is ready after one layer's copy and later copies are few and large.
+
+    >>> [list(g) for g in layer_groups(6)]
+    [[0], [1], [2, 3], [4, 5]]
+    """
+    groups, start, size = [], 0, 1
+    while start < num_layers:
+        stop = min(num_layers, start + size)
+        groups.append(range(start, stop))
+        if start > 0:
+            size *= 2
+        start = stop
+    return groups
 
 
 class PendingSave:
@@ -98,16 +116,16 @@ class LayerwiseStep:
         if not loads:
             return
         self._loads += loads
-        for layer in range(num_layers):
+        for group in layer_groups(num_layers):
             for item in list(self._loads):
                 req, retriever, held = item
                 try:
                     with self._lock:
                         if self._cuda:
                             with torch.cuda.stream(self.load_stream):
-                                retriever.load_layer(layer)
+                                retriever.load_layers(group.stop)
                         else:
-                            retriever.load_layer(layer)
+                            retriever.load_layers(group.stop)
                 except Exception:
                     logger.exception("lmcache: layerwise load of %s failed", req.req_id)
                     self._loads.remove(item)
@@ -117,7 +135,8 @@ class LayerwiseStep:
             if self._cuda:
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(self.load_stream)
-                self._layer_ready[layer] = event
+                for layer in group:
+                    self._layer_ready[layer] = event
 
     def wait_layer(self, layer: int) -> None:
         """Order the forward's use of ``layer`` after its loads (a device-side wait)."""

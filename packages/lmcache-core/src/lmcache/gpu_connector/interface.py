@@ -236,6 +236,18 @@ class SupportsLayerwise(ABC):
     ) -> None:
         """Like :meth:`GPUConnectorInterface.to_gpu`, for ``buffer[layer]`` of each chunk only."""
 
+    def to_gpu_layers(
+        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> None:
+        """Like :meth:`to_gpu_layer` for a contiguous range of layers (step 1).
+
+        The default calls :meth:`to_gpu_layer` per layer; a connector that can move several
+        layers in one transfer overrides it (fewer, larger copies when a layerwise load
+        prefetches ahead of the forward).
+        """
+        for layer in layers:
+            self.to_gpu_layer(layer, chunks, transfer)
+
 
 def supports_layerwise(connector: GPUConnectorInterface) -> bool:
     """Whether ``connector`` implements :class:`SupportsLayerwise`."""
