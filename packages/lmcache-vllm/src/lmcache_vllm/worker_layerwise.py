@@ -4,7 +4,7 @@
 With ``use_layerwise``:
 
 - **Loads prefetch.** ``start_load_kv`` enqueues every layer of every hit at once, in groups of
-  1, 1, 2, 4, 8, ... layers (:func:`layer_groups`; one transfer per group): on CUDA on a load
+  1, 4, 16, ... layers (:func:`layer_groups`; one transfer per group): on CUDA on a load
   stream, recording an event per group, so later layers copy while earlier ones compute;
   ``wait_for_layer_load(i)`` only makes the compute stream wait for layer ``i``'s group (no host
   wait). On the CPU the copies run in ``start_load_kv``.
@@ -35,19 +35,19 @@ __all__ = ["LayerwiseStep", "PendingSave", "layer_groups"]
 logger = logging.getLogger(__name__)
 
 
-def layer_groups(num_layers: int) -> list[range]:
-    """Layers in the groups a layerwise load moves them: 1, 1, 2, 4, 8, ... layers, so the first
-    layer is ready after one layer's copy and later copies are few and large.
+def layer_groups(num_layers: int, growth: int = 4) -> list[range]:
+    """Layers in the groups a layerwise load moves them: 1, 4, 16, ... layers (each group
+    ``growth`` times the last), so the first layer is ready after one layer's copy and the rest
+    come in a few large transfers.
 
-    >>> [list(g) for g in layer_groups(6)]
-    [[0], [1], [2, 3], [4, 5]]
+    >>> [(g.start, g.stop) for g in layer_groups(32)]
+    [(0, 1), (1, 5), (5, 21), (21, 32)]
     """
     groups, start, size = [], 0, 1
     while start < num_layers:
         stop = min(num_layers, start + size)
         groups.append(range(start, stop))
-        if start > 0:
-            size *= 2
+        size *= growth
         start = stop
     return groups
 
