@@ -186,6 +186,9 @@ class WorkerSide:
         return hit.num_tokens
 
     def _clear(self) -> None:
+        """Drop this engine's chunks, after the saves queued so far (a reset is a reset)."""
+        if not self._saves.wait(timeout=60.0):
+            logger.warning("lmcache: saves still running at reset; chunks may reappear")
         if self.lmcache_engine is not None:
             self.lmcache_engine.clear()
 
