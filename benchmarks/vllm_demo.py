@@ -330,8 +330,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--dtype",
         choices=("bfloat16", "float32"),
         default="bfloat16",
-        help="vLLM's compute and KV dtype (default bfloat16). On CPUs with AMX, vLLM's bfloat16 "
-        "attention keeps KV blocks in a format lmcache does not read yet: use float32 there",
+        help="vLLM's compute and KV dtype (default bfloat16; on CPUs with AMX vLLM's bfloat16 "
+        "attention uses its AMX block format, which lmcache moves token by token)",
     )
     ap.add_argument(
         "--via",
