@@ -198,12 +198,7 @@ class LayerwiseStore(_LayerwiseOp):
         """Make the chunks visible to lookups; returns the number of tokens stored."""
         self._check_complete()
         self._done = True
-        if not self._pending:
-            return 0
-        try:
-            return self._engine._commit_store(self._pending, self._started, self._chain)
-        finally:
-            release_all(self._pending)
+        return StagedStore(self._engine, self._pending, self._chain, self._started).commit()
 
 
 class LayerwiseRetrieve(_LayerwiseOp):
