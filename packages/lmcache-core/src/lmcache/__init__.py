@@ -18,11 +18,16 @@ Public entry points (imported lazily; ``import lmcache`` never imports an engine
 - :mod:`lmcache.testing` (a conformance suite for connectors)
 
 Engine adapters are separate distributions: ``pip install "lmcache-core[vllm]"``.
+
+LMCache's own ``lmcache`` distribution ships an import package of the same name; with both
+installed their files would mix, so ``import lmcache`` refuses to load while that distribution
+is installed (:func:`_refuse_conflicting_distribution`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
 import os
 from typing import Any
@@ -59,6 +64,28 @@ def _apply_log_level() -> None:
 
 
 _apply_log_level()
+
+#: Distributions that install an import package named ``lmcache`` other than ours.
+CONFLICTING_DISTRIBUTIONS = ("lmcache",)
+
+
+def _refuse_conflicting_distribution() -> None:
+    """Raise ImportError when LMCache's ``lmcache`` distribution is installed too (read from
+    installed metadata: both write ``site-packages/lmcache/``, and mixed files load the wrong
+    code)."""
+    for name in CONFLICTING_DISTRIBUTIONS:
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        raise ImportError(
+            f"lmcache-core cannot load: the distribution '{name}' {version} (LMCache) is installed "
+            "too and ships the same 'lmcache' import package, so their files mix. Uninstall both "
+            f"and reinstall ours: pip uninstall -y {name} lmcache-core && pip install lmcache-core"
+        )
+
+
+_refuse_conflicting_distribution()
 
 
 def __getattr__(name: str) -> Any:

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import lmcache.gpu_connector
 import lmcache.gpu_connector.gpu_ops
@@ -147,3 +148,24 @@ def test_top_level_lazy_names() -> None:
         "StagedStore",
         "Tokens",
     ]
+
+
+def test_import_refuses_lmcaches_own_distribution(tmp_path: Path) -> None:
+    """With LMCache's `lmcache` distribution installed (its metadata on the path), `import
+    lmcache` fails with one line naming it and the fix; without it, the import works."""
+    site = tmp_path / "site"
+    dist = site / "lmcache-0.3.9.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: lmcache\nVersion: 0.3.9\n")
+    code = "import lmcache"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *sys.path])}
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0
+    last = bad.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "ImportError: lmcache-core cannot load: the distribution 'lmcache' 0.3.9"
+    )
+    assert "pip uninstall -y lmcache lmcache-core" in last
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)  # control: the same interpreter without it
+    good = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert good.returncode == 0, good.stderr
