@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""lmcache-vllm: lmcache's KV connector for vLLM 0.32/0.33.
+"""lmcache-vllm: lmcache's KV connector for vLLM 0.26-0.33.
 
 - :mod:`lmcache_vllm.vllm_v1_adapter`: ``LMCacheConnectorV1Impl``, the object vLLM's in-tree
   wrapper builds; it holds one of

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""GPU connectors for vLLM 0.32/0.33 paged KV caches (``vllm.cpu`` and ``vllm.cuda``).
+"""GPU connectors for vLLM 0.26-0.33 paged KV caches (``vllm.cpu`` and ``vllm.cuda``).
 
 vLLM hands every attention layer's cache as a 4-D *logical* view ``[num_blocks, num_kv_heads,
 block_size, C]`` of one shared buffer (RFC #42082); what the ``C`` axis means, and the physical
@@ -167,7 +167,7 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface,
             raise KVLayoutError(
                 f"layer {i}: KV cache {describe(t)}; expected [num_blocks, {md.num_kv_heads} "
                 f"kv heads, block_size, {expected_c} = head_k {md.head_size_k} + head_v "
-                f"{md.head_size_v}] (vLLM 0.32/0.33 per-layer view)"
+                f"{md.head_size_v}] (vLLM 0.26-0.33 per-layer view)"
             )
         if self.kv_format in ("cpu_kt_v", "cpu_amx"):
             if md.head_size_k != md.head_size_v:

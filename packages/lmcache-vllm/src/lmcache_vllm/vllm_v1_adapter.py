@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``LMCacheConnectorV1Impl``: lmcache behind vLLM's ``KVConnectorBase_V1`` (vLLM 0.32/0.33).
+"""``LMCacheConnectorV1Impl``: lmcache behind vLLM's ``KVConnectorBase_V1`` (vLLM 0.26-0.33).
 
 vLLM builds the connector twice: once in the scheduler (``KVConnectorRole.SCHEDULER``) and once
 in every worker (``KVConnectorRole.WORKER``); with tensor parallelism or the default multiprocess

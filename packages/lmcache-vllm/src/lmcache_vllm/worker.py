@@ -103,6 +103,7 @@ class WorkerSide:
         self._stats_lock = threading.Lock()
         self._xfer_lock = threading.Lock()
         self._layerwise: LayerwiseStep | None = None  # built with the caches (device)
+        self._bound: Any = None  # the metadata bind() last ran for
         self._held = HeldHits()
         self._saves = SaveQueue(f"lmcache-save-rank{rank}")
         self._save_stream: Any = None
@@ -202,6 +203,7 @@ class WorkerSide:
         """Start of a step, before anything writes vLLM's pages: finish the previous step's
         layerwise work, wait until queued saves have copied their pages (vLLM may reuse freed or
         preempted blocks from now on), release leases of preempted requests and stale ones."""
+        self._bound = meta
         if self._layerwise is not None:
             self._layerwise.finish()
         self._fence()
@@ -260,6 +262,9 @@ class WorkerSide:
     def start_load_kv(self) -> None:
         """Load every request's hit: one batched retrieve each, or, layerwise, enqueue every
         layer now (prefetch; the forward waits per layer in :meth:`wait_for_layer_load`)."""
+        raw = self._get_metadata()
+        if raw is not self._bound:  # vLLM 0.26's in-tree wrapper does not forward the bind
+            self.bind(raw)
         meta = self._meta()
         engine = self.lmcache_engine
         if meta is None or engine is None:

