@@ -252,7 +252,21 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--step-ms", type=float, default=20.0)
     parser.add_argument("--checksum", action="store_true", help="lmcache's default checksums on")
+    parser.add_argument(
+        "--growth",
+        type=int,
+        default=None,
+        help="layerwise load groups grow by this factor (default: the connector's)",
+    )
     args = parser.parse_args()
+    if args.growth is not None:
+        import functools
+
+        from lmcache_vllm import worker_layerwise
+
+        worker_layerwise.layer_groups = functools.partial(  # type: ignore[assignment]
+            worker_layerwise.layer_groups, growth=args.growth
+        )
     if not torch.cuda.is_available():
         raise SystemExit("vllm_save_overlap.py needs a CUDA GPU")
     print(
