@@ -121,3 +121,56 @@ def test_store_reset_hit_identical(model_dir, baseline, runner, layerwise, monke
     finally:
         _shutdown(llm)
         reset_process_cpu_tiers()
+
+
+TP2_SCRIPT = """
+import json, os, sys
+from vllm import LLM, SamplingParams
+
+def main():
+    model, prompt, chunk, max_tokens = json.loads(sys.argv[1])
+    kv = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
+          "kv_connector_extra_config": {"lmcache.chunk_size": chunk}}
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    p = [{"prompt_token_ids": prompt}]
+    llm = LLM(model=model, enforce_eager=True, block_size=16, gpu_memory_utilization=0.2,
+              dtype="bfloat16", max_model_len=2048, seed=0, tensor_parallel_size=2,
+              kv_transfer_config=kv)
+    (a,) = llm.generate(p, sp, use_tqdm=False)
+    assert llm.reset_prefix_cache()
+    (b,) = llm.generate(p, sp, use_tqdm=False)
+    print("RESULT " + json.dumps({
+        "cold": [list(a.outputs[0].token_ids), a.num_cached_tokens],
+        "warm": [list(b.outputs[0].token_ids), b.num_cached_tokens]}), flush=True)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_tensor_parallel_2_store_reset_hit(model_dir, tmp_path):
+    """TP=2 (vLLM's multiprocess executor, one rank per GPU): each rank stores its shard, the
+    scheduler's lookup takes the smallest hit over both ranks; the warm output equals the cold
+    one, which TP=2 computed without any hit (TP=2 may round differently from one GPU)."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "tp2.py"
+    script.write_text(TP2_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    arg = json.dumps([str(model_dir), PROMPT, CHUNK, MAX_TOKENS])
+    proc = subprocess.run(
+        [sys.executable, str(script), arg],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result["cold"][1] == 0
+    assert result["warm"] == [result["cold"][0], 512]
