@@ -193,3 +193,43 @@ def test_chunks_leased_under_inference_mode_are_writable_outside_it() -> None:
     lease.tensor.fill_(3.0)  # would raise for an inference tensor or a view made in that mode
     assert torch.equal(lease.tensor, torch.full((4, 8), 3.0))
     lease.release()
+
+
+def test_pinned_pools_pin_the_budget_ahead_of_need(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pinned pool reserves its whole budget on a background thread from construction on, so
+    allocations find slabs waiting instead of pinning inside a store. (On this CPU-only machine
+    the slab factory makes pageable slabs; the real pinning runs in the CUDA test below.)"""
+    made: list[tuple[int, str]] = []
+    real_new_slab = HostMemoryPool._new_slab
+
+    def new_slab(self: HostMemoryPool, size: int, *, dedicated: bool) -> object:
+        made.append((size, threading.current_thread().name))
+        self._pin = False  # pageable stand-in for a pinned slab
+        try:
+            return real_new_slab(self, size, dedicated=dedicated)
+        finally:
+            self._pin = True
+
+    monkeypatch.setattr(HostMemoryPool, "_new_slab", new_slab)
+    pool = HostMemoryPool(5 << 20, pin=True, slab_bytes=2 << 20)
+    assert pool.wait_prepinned(timeout=10)
+    assert pool.reserved_bytes == 5 << 20  # slabs of 2, 2 and 1 MiB
+    assert [size for size, _ in made] == [2 << 20, 2 << 20, 1 << 20]
+    assert {name for _, name in made} == {"lmcache-prepin"}
+    leases = [pool.allocate((1 << 20,), torch.uint8) for _ in range(5)]
+    assert all(lease is not None for lease in leases)
+    assert len(made) == 3  # no slab was made by an allocation
+    lazy = HostMemoryPool(5 << 20, pin=True, slab_bytes=2 << 20, prepin=False)
+    assert lazy.wait_prepinned(timeout=0) and lazy.reserved_bytes == 0  # control: lazy pinning
+
+
+@pytest.mark.gpu
+def test_prepinned_slabs_are_page_locked() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (page-locked host memory)")
+    pool = HostMemoryPool(64 << 20, slab_bytes=16 << 20)
+    assert pool.pinned and pool.wait_prepinned(timeout=60)
+    assert pool.reserved_bytes == 64 << 20
+    assert all(slab.tensor.is_pinned() for slab in pool._slabs)
+    lease = pool.allocate((1 << 20,), torch.uint8)
+    assert lease is not None and lease.tensor.is_pinned()

@@ -2,10 +2,12 @@
 """A host memory pool with a fixed byte budget, handing out slices as explicit leases.
 
 The pool owns a few large host tensors (*slabs*, ``uint8 [slab_bytes]``; pinned when a CUDA
-device is present) and carves allocations out of them. Slabs are allocated lazily, when an
-allocation needs one: pinning a whole multi-GiB budget up front takes seconds and memory the
-process may never use. An allocation larger than ``slab_bytes`` gets a slab of its own, returned
-to the system when it is released.
+device is present) and carves allocations out of them. Pageable slabs are allocated lazily, when
+an allocation needs one. Pinned slabs are made ahead of need by a background thread that pins the
+budget slab by slab from construction on (pinning runs at about 1.7 GB/s: inside a store it would
+hold the request), so the engine starts at once and stores find pinned memory waiting; only an
+allocation that outruns that thread pins a slab itself. An allocation larger than ``slab_bytes``
+gets a slab of its own, returned to the system when it is released.
 
 Every allocation is handed out as a :class:`MemoryLease`. The bytes go back to the pool only when
 the last lease on them is released (``lease.share()`` makes another lease on the same bytes), so
@@ -212,13 +214,20 @@ class HostMemoryPool:
             ``torch.cuda.is_available()``.
         slab_bytes: Size of one shared slab. Allocations up to this size share slabs; larger
             ones get a slab of their own.
+        prepin: Pin the whole budget ahead of need on a background thread (the default when
+            pinning); ``False`` pins slabs only when an allocation needs one.
 
     Raises:
         ValueError: ``budget_bytes < 0`` or ``slab_bytes <= 0``.
     """
 
     def __init__(
-        self, budget_bytes: int, *, pin: bool | None = None, slab_bytes: int = 256 << 20
+        self,
+        budget_bytes: int,
+        *,
+        pin: bool | None = None,
+        slab_bytes: int = 256 << 20,
+        prepin: bool | None = None,
     ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"HostMemoryPool budget_bytes must be >= 0, found {budget_bytes}")
@@ -231,6 +240,39 @@ class HostMemoryPool:
         self._slabs: list[_Slab] = []  # shared slabs, in creation order
         self._dedicated = 0  # bytes in dedicated slabs
         self._used = 0  # bytes in live allocations (aligned sizes)
+        self._prepinned = threading.Event()
+        if self._pin and (prepin is None or prepin) and self._budget > 0:
+            threading.Thread(target=self._prepin, name="lmcache-prepin", daemon=True).start()
+        else:
+            self._prepinned.set()
+
+    def _prepin(self) -> None:
+        """Pin shared slabs until the budget is reserved (background thread)."""
+        try:
+            while True:
+                with self._lock:
+                    room = (self._budget - self._reserved()) // ALIGNMENT * ALIGNMENT
+                size = min(self._slab_bytes, room)
+                if size < ALIGNMENT:
+                    return
+                slab = self._new_slab(size, dedicated=False)  # the slow part, outside the lock
+                if slab is None:
+                    return
+                with self._lock:
+                    if self._budget - self._reserved() < size:
+                        return  # allocations took the room meanwhile; drop this slab
+                    self._slabs.append(slab)
+        finally:
+            self._prepinned.set()
+
+    def wait_prepinned(self, timeout: float | None = None) -> bool:
+        """Block until the background thread has pinned the budget (at once for pageable or
+        lazily pinned pools).
+
+        Returns:
+            ``False`` when ``timeout`` seconds passed first.
+        """
+        return self._prepinned.wait(timeout)
 
     @property
     def budget_bytes(self) -> int:
