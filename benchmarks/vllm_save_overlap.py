@@ -83,6 +83,7 @@ class Bench:
         }
         self.worker.register_kv_caches(self.caches)
         self.num_blocks = num_blocks
+        self.a = torch.randn(4096, 4096, device="cuda", dtype=DTYPE)
         self._grow_pool()
 
     def _grow_pool(self) -> None:
