@@ -97,7 +97,22 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=32, help="2k-token prompts per batch")
     parser.add_argument("--checksum-off", action="store_true", help="lmcache checksum: false")
+    parser.add_argument(
+        "--sync-saves",
+        action="store_true",
+        help="for comparison: run each save inline in wait_for_save (copy + commit, as before "
+        "saves went off the step)",
+    )
     args = parser.parse_args()
+    if args.sync_saves:
+        from lmcache_vllm.save_queue import SaveQueue
+
+        def _inline(self: SaveQueue, req_id: str, copy: Any) -> None:
+            commit = copy()
+            if callable(commit):
+                commit()
+
+        SaveQueue.submit = _inline  # type: ignore[method-assign]
 
     import torch
 
@@ -183,7 +198,10 @@ def main() -> None:
         f"{'throughput, 0 % reuse (tok/s)':<34} {base['tput']:>11.0f} {lm['tput']:>11.0f}  "
         f">= 99 %: {tput_pct:.1f} % {ok[tput_pct >= 99]}"
     )
-    print(f"checksum: {'off' if args.checksum_off else 'on (default)'}")
+    print(
+        f"checksum: {'off' if args.checksum_off else 'on (default)'}; saves: "
+        f"{'inline (synchronous)' if args.sync_saves else 'off the step (default)'}"
+    )
 
 
 if __name__ == "__main__":
