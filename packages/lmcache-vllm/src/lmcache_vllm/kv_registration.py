@@ -14,12 +14,16 @@ from typing import Any
 
 import torch
 
-from lmcache.gpu_connector import KVLayoutError
+from lmcache.cache_engine import LMCacheEngine
+from lmcache.config import LMCacheConfig
+from lmcache.gpu_connector import CreateGPUConnector, EngineInfo, KVLayoutError
 from lmcache.metadata import LMCacheMetadata
+from lmcache.metrics import LMCacheMetrics
+from lmcache.tiers import process_cpu_tier
 from lmcache_vllm.cpu_layout_probe import probe_cpu_kv_format
 from lmcache_vllm.utils import calculate_local_rank_and_world_size
 
-__all__ = ["build_metadata", "order_caches"]
+__all__ = ["build_engine", "build_metadata", "order_caches"]
 
 
 def _layer_index(name: str, fallback: int) -> int:
@@ -101,3 +105,37 @@ def build_metadata(
     elif first.device.type == "cpu":
         hints["kv_format"] = probe_cpu_kv_format(vc, names, first)
     return metadata, hints
+
+
+def build_engine(
+    vllm_config: Any,
+    config: LMCacheConfig,
+    names: list[str],
+    caches: list[torch.Tensor],
+    *,
+    world_size: int,
+    rank: int,
+    labels: dict[str, str],
+) -> tuple[LMCacheEngine, str]:
+    """The cache engine for vLLM's caches (in layer order): metadata, the ``vllm.<device>``
+    connector, labelled metrics, the process-wide CPU tier. Returns it and the block format.
+
+    Raises:
+        KVLayoutError: a layout no connector handles.
+    """
+    metadata, hints = build_metadata(
+        vllm_config, names, caches, chunk_size=config.chunk_size, world_size=world_size, rank=rank
+    )
+    block_size = int(vllm_config.cache_config.block_size)
+    info = EngineInfo(
+        name="vllm",
+        device=caches[0].device.type,
+        kv_caches=caches,
+        extra={"block_size": block_size},
+    )
+    connector = CreateGPUConnector(config, metadata, info, hints)
+    metrics = LMCacheMetrics(labels=labels)
+    engine = LMCacheEngine(
+        config, metadata, connector, metrics=metrics, tier=process_cpu_tier(config, metrics)
+    )
+    return engine, str(hints.get("kv_format", getattr(connector, "kv_format", "default")))

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lmcache.gpu_connector import TransferSpec
 from lmcache_vllm.connector_metadata import ReqMeta
 
-__all__ = ["load_plan", "skip_mask", "slot_mapping"]
+__all__ = ["LoadOutcome", "load_outcome", "load_plan", "skip_mask", "slot_mapping"]
 
 
 def slot_mapping(block_ids: list[int], block_size: int, num_tokens: int) -> torch.Tensor:
@@ -48,3 +50,32 @@ def load_plan(
         slot_mapping(req.block_ids, block_size, n), skip_tokens=load.vllm_cached
     )
     return req.token_ids[:n], skip_mask(n, load.vllm_cached, chunk_size), transfer, n
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    """What a load delivered of ``[vllm_cached, load_end)``: token counts, and the blocks from
+    the first missing token on (vLLM recomputes them)."""
+
+    expected: int
+    loaded: int
+    failed: int
+    bad_blocks: list[int]
+
+
+def load_outcome(req: ReqMeta, loaded: torch.Tensor | None, block_size: int) -> LoadOutcome:
+    """Compare ``loaded`` (bool ``[num_tokens]`` from a retrieve, ``None`` when nothing was
+    loaded) with what ``req`` promised to vLLM."""
+    load = req.load
+    assert load is not None
+    lo, hi = load.vllm_cached, load.load_end
+    ok = torch.zeros(hi - lo, dtype=torch.bool)
+    if loaded is not None:
+        have = loaded[lo : min(hi, loaded.numel())]
+        ok[: have.numel()] = have
+    missing = (~ok).nonzero()
+    if missing.numel() == 0:
+        return LoadOutcome(hi - lo, hi - lo, 0, [])
+    first_bad = lo + int(missing[0])
+    bad = req.block_ids[first_bad // block_size : -(-hi // block_size)]
+    return LoadOutcome(hi - lo, int(ok.sum()), hi - first_bad, list(bad))

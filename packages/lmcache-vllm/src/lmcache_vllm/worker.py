@@ -34,15 +34,13 @@ import torch
 
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.config import LMCacheConfig
-from lmcache.gpu_connector import CreateGPUConnector, EngineInfo, TransferSpec
-from lmcache.metrics import LMCacheMetrics
-from lmcache.tiers import process_cpu_tier
+from lmcache.gpu_connector import TransferSpec
 from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, ReqMeta, WorkerStats
 from lmcache_vllm.held_hits import HeldHits
-from lmcache_vllm.kv_registration import build_metadata, order_caches
+from lmcache_vllm.kv_registration import build_engine, order_caches
 from lmcache_vllm.lookup import LookupQuery, LookupServer
 from lmcache_vllm.save_queue import CommitJob, CopyJob, SaveQueue, UnpublishedSaves
-from lmcache_vllm.transfer_plan import load_plan, skip_mask, slot_mapping
+from lmcache_vllm.transfer_plan import load_outcome, load_plan, skip_mask, slot_mapping
 from lmcache_vllm.worker_layerwise import LayerwiseStep, PendingSave
 
 if TYPE_CHECKING:
@@ -106,7 +104,6 @@ class WorkerSide:
         self._bound: Any = None  # the metadata bind() last ran for
         self._held = HeldHits()
         self._saves = SaveQueue(f"lmcache-save-rank{rank}")
-        self._save_stream: Any = None
         self._unpublished = UnpublishedSaves(self.chunk_size)
 
     # ------------------------------------------------------------------ registration
@@ -125,30 +122,16 @@ class WorkerSide:
             ):
                 return  # the same caches again
             raise RuntimeError(SECOND_ENGINE_ERROR)
-        metadata, hints = build_metadata(
+        engine, kv_format = build_engine(
             self._vllm_config,
+            self.config,
             names,
             caches,
-            chunk_size=self.chunk_size,
             world_size=self.world_size,
             rank=self.rank,
+            labels={"engine": self.engine_key, "rank": str(self.rank)},
         )
         first = caches[0]
-        engine_info = EngineInfo(
-            name="vllm",
-            device=first.device.type,
-            kv_caches=caches,
-            extra={"block_size": self.block_size},
-        )
-        connector = CreateGPUConnector(self.config, metadata, engine_info, hints)
-        metrics = LMCacheMetrics(labels={"engine": self.engine_key, "rank": str(self.rank)})
-        engine = LMCacheEngine(
-            self.config,
-            metadata,
-            connector,
-            metrics=metrics,
-            tier=process_cpu_tier(self.config, metrics),
-        )
         self.lmcache_engine = engine
         self._registered = caches
         self._layerwise = LayerwiseStep(
@@ -163,7 +146,7 @@ class WorkerSide:
             len(caches),
             tuple(first.shape),
             first.device.type,
-            hints.get("kv_format", "default"),
+            kv_format,
             self._lookup_server.path,
         )
 
@@ -230,34 +213,22 @@ class WorkerSide:
         return skip_mask(num_tokens, skip, self.chunk_size)
 
     def _record_load(self, req: ReqMeta, loaded: torch.Tensor | None) -> None:
-        load = req.load
-        assert load is not None
-        lo, hi = load.vllm_cached, load.load_end
-        ok = torch.zeros(hi - lo, dtype=torch.bool)
-        if loaded is not None:
-            have = loaded[lo : min(hi, loaded.numel())]
-            ok[: have.numel()] = have
-        missing = (~ok).nonzero()
+        outcome = load_outcome(req, loaded, self.block_size)
         with self._stats_lock:
-            self._stats.expected_load_tokens += hi - lo
-            self._stats.loaded_tokens += int(ok.sum())
+            self._stats.expected_load_tokens += outcome.expected
+            self._stats.loaded_tokens += outcome.loaded
+            self._stats.failed_load_tokens += outcome.failed
             self._stats.num_loads += 1
-        if missing.numel() == 0:
-            return
-        first_bad = lo + int(missing[0])
-        bad_blocks = req.block_ids[first_bad // self.block_size : -(-hi // self.block_size)]
-        self._load_errors.update(bad_blocks)
-        with self._stats_lock:
-            self._stats.failed_load_tokens += hi - first_bad
-        logger.warning(
-            "lmcache: request %s loaded %d of %d tokens (first missing token %d); blocks %s "
-            "reported to vLLM as load errors",
-            req.req_id,
-            int(ok.sum()),
-            hi - lo,
-            first_bad,
-            bad_blocks,
-        )
+        if outcome.bad_blocks:
+            self._load_errors.update(outcome.bad_blocks)
+            logger.warning(
+                "lmcache: request %s loaded %d of %d tokens; blocks %s reported to vLLM as load "
+                "errors",
+                req.req_id,
+                outcome.loaded,
+                outcome.expected,
+                outcome.bad_blocks,
+            )
 
     def start_load_kv(self) -> None:
         """Load every request's hit: one batched retrieve each, or, layerwise, enqueue every
@@ -412,7 +383,8 @@ class WorkerSide:
                             tokens, mask, TransferSpec(slots), salt=req.salt, extra_keys=extra
                         )
                     else:
-                        stream = self._store_stream()
+                        assert self._layerwise is not None
+                        stream = self._layerwise.store_stream  # the worker's one store stream
                         stream.wait_event(ready)  # after the step that wrote this KV
                         with torch.cuda.stream(stream):
                             transfer = TransferSpec(slots, stream=stream)
@@ -433,11 +405,6 @@ class WorkerSide:
             return _commit
 
         return _copy
-
-    def _store_stream(self) -> Any:
-        if self._save_stream is None:
-            self._save_stream = torch.cuda.Stream(self._registered[0].device)  # type: ignore[no-untyped-call]
-        return self._save_stream
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> None:
         """Release the leases of finished requests; nothing is ever reported as finished
