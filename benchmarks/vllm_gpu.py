@@ -22,8 +22,6 @@ warm at least 3x faster than recompute.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import os
 import statistics
 import tempfile
@@ -53,15 +51,9 @@ def _engine(model: Path, kv: dict[str, Any] | None, max_len: int) -> Any:
 
 
 def _shutdown(llm: Any) -> None:
-    import torch
-    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+    from lmcache_vllm.testing import shutdown_llm
 
-    with contextlib.suppress(Exception):
-        llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    ensure_kv_transfer_shutdown()
-    torch.cuda.empty_cache()
+    shutdown_llm(llm)
 
 
 def _ttft(llm: Any, prompt: list[int]) -> float:

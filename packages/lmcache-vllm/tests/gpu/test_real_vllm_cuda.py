@@ -10,8 +10,6 @@ tiny random Llama built at test time; vLLM's V1 and V2 GPU model runners are bot
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 from pathlib import Path
 from typing import Any
@@ -66,14 +64,9 @@ def _llm(model_dir: Path, kv: dict[str, Any] | None, **extra: Any) -> Any:
 
 
 def _shutdown(llm: Any) -> None:
-    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+    from lmcache_vllm.testing import shutdown_llm
 
-    with contextlib.suppress(Exception):
-        llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    ensure_kv_transfer_shutdown()
-    torch.cuda.empty_cache()
+    shutdown_llm(llm)
 
 
 def _gen(llm: Any, prompts: list[list[int]]) -> list[tuple[list[int], int]]:

@@ -8,7 +8,6 @@ prompt without any connector (computed once per session).
 
 from __future__ import annotations
 
-import gc
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -22,7 +21,6 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import contextlib
 
 import vllm  # noqa: F401  - in `nox -s vllm` a missing or broken vLLM must fail, not skip
 
@@ -87,13 +85,9 @@ def engine_kwargs(model_dir: Path, **overrides: Any) -> dict[str, Any]:
 
 
 def shutdown_engine(llm: Any) -> None:
-    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+    from lmcache_vllm.testing import shutdown_llm
 
-    with contextlib.suppress(Exception):
-        llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    ensure_kv_transfer_shutdown()
+    shutdown_llm(llm)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from lmcache_vllm.testing.tiny_model import (
     SPECIAL_TOKENS,
     build_tiny_llama,
     make_prompt,
+    shutdown_llm,
     vllm_engine_kwargs,
 )
 
@@ -22,5 +23,6 @@ __all__ = [
     "build_random_lora",
     "build_tiny_llama",
     "make_prompt",
+    "shutdown_llm",
     "vllm_engine_kwargs",
 ]

@@ -208,3 +208,21 @@ def vllm_engine_kwargs(model_dir: str | os.PathLike[str], **overrides: Any) -> d
     }
     kwargs.update(overrides)
     return kwargs
+
+
+def shutdown_llm(llm: Any) -> None:
+    """Shut a ``vllm.LLM`` down now (engine core, KV connector, CUDA cache), so the next engine
+    in this process starts clean; vLLM keeps one KV connector per process until it is shut down.
+    """
+    import gc
+
+    import torch
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    ensure_kv_transfer_shutdown()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
