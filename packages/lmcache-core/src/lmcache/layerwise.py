@@ -135,13 +135,18 @@ class _LayerwiseOp:
     ) -> None:
         """Run ``move`` for ``layer`` over every chunk; a failure aborts and is raised."""
         self._check_layer(layer)
+        self._advance(layer + 1, lambda chunks: move(layer, chunks, self._transfer))
+
+    def _advance(self, stop: int, move: Callable[[list[ChunkTransfer]], None]) -> None:
+        """Run ``move`` over every chunk (layers ``next .. stop - 1``), then move on to
+        ``stop``; a failure aborts and is raised."""
         if self._pending:
             try:
-                move(layer, [p.chunk for p in self._pending], self._transfer)
+                move([p.chunk for p in self._pending])
             except BaseException:
                 self.abort()
                 raise
-        self._next_layer += 1
+        self._next_layer = stop
 
     def _check_complete(self) -> None:
         if self._done:
@@ -241,15 +246,10 @@ class LayerwiseRetrieve(_LayerwiseOp):
                 f"{self._num_layers} (the next layer is {start})."
             )
         self._check_layer(start)
-        if self._pending:
-            try:
-                self._layerwise.to_gpu_layers(
-                    range(start, stop), [p.chunk for p in self._pending], self._transfer
-                )
-            except BaseException:
-                self.abort()
-                raise
-        self._next_layer = stop
+        layers = range(start, stop)
+        self._advance(
+            stop, lambda chunks: self._layerwise.to_gpu_layers(layers, chunks, self._transfer)
+        )
 
     def load_layer(self, layer: int) -> None:
         """Copy ``layer`` of every hit chunk into the engine (one ``to_gpu_layer`` call).
