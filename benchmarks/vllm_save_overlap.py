@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from lmcache.gpu_connector import TransferSpec
 from lmcache.tiers import reset_process_cpu_tiers
 from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
 from lmcache_vllm.scheduler import engine_key
+from lmcache_vllm.testing import connector_vllm_config
 from lmcache_vllm.transfer_plan import slot_mapping
 from lmcache_vllm.vllm_v1_adapter import load_lmcache_config
 from lmcache_vllm.worker import WorkerSide
@@ -45,33 +45,26 @@ LAYERS, HEADS, HEAD, PAGE, CHUNK = 32, 8, 128, 16, 256
 DTYPE = torch.bfloat16
 
 
-def _vllm_config(num_layers: int, layerwise: bool, checksum: bool) -> Any:
-    extra = {
-        "lmcache.chunk_size": CHUNK,
-        "lmcache.max_local_cpu_size": 6.0,
-        "lmcache.use_layerwise": layerwise,
-        "lmcache.checksum": checksum,
-    }
-    return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(
-            kv_role="kv_both",
-            engine_id=f"bench-{time.time_ns()}",
-            kv_connector_extra_config=extra,
-        ),
-        instance_id="bench",
-        cache_config=SimpleNamespace(block_size=PAGE, cache_dtype="auto"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, rank=0),
-        model_config=SimpleNamespace(
-            model="bench/llama-8b", use_mla=False, get_head_size=lambda: HEAD, dtype="bfloat16"
-        ),
-        compilation_config=SimpleNamespace(static_forward_context={}),
+def _vllm_config(layerwise: bool, checksum: bool) -> Any:
+    return connector_vllm_config(
+        engine_id=f"bench-{time.time_ns()}",
+        block_size=PAGE,
+        head_size=HEAD,
+        model="bench/llama-8b",
+        dtype="bfloat16",
+        extra_config={
+            "lmcache.chunk_size": CHUNK,
+            "lmcache.max_local_cpu_size": 6.0,
+            "lmcache.use_layerwise": layerwise,
+            "lmcache.checksum": checksum,
+        },
     )
 
 
 class Bench:
     def __init__(self, num_blocks: int, layerwise: bool, checksum: bool) -> None:
         reset_process_cpu_tiers()
-        vc = _vllm_config(LAYERS, layerwise, checksum)
+        vc = _vllm_config(layerwise, checksum)
         self.meta = LMCacheConnectorMetadata()
         self.worker = WorkerSide(
             vc, load_lmcache_config(vc), engine_key(vc), 1, 0, lambda: self.meta

@@ -17,6 +17,7 @@ import torch
 from lmcache.tiers import reset_process_cpu_tiers
 from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
 from lmcache_vllm.scheduler import SchedulerSide, engine_key
+from lmcache_vllm.testing import connector_vllm_config
 from lmcache_vllm.vllm_v1_adapter import load_lmcache_config
 from lmcache_vllm.worker import WorkerSide
 
@@ -27,23 +28,14 @@ PROMPT = 4 * CHUNK
 
 
 def _vllm_config(tmp_path, budget_chunks: int) -> SimpleNamespace:
-    gib = budget_chunks * CHUNK_BYTES / 1024**3
-    return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(
-            kv_role="kv_both",
-            engine_id=f"lease-{tmp_path.name}",
-            kv_connector_extra_config={
-                "lmcache.chunk_size": CHUNK,
-                "lmcache.max_local_cpu_size": gib,
-            },
-        ),
-        instance_id="t",
-        cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, rank=0),
-        model_config=SimpleNamespace(
-            model="lease-test-model", use_mla=False, get_head_size=lambda: HEAD, dtype="float32"
-        ),
-        compilation_config=SimpleNamespace(static_forward_context={}),
+    return connector_vllm_config(
+        engine_id=f"lease-{tmp_path.name}",
+        block_size=BLOCK,
+        head_size=HEAD,
+        extra_config={
+            "lmcache.chunk_size": CHUNK,
+            "lmcache.max_local_cpu_size": budget_chunks * CHUNK_BYTES / 1024**3,
+        },
     )
 
 

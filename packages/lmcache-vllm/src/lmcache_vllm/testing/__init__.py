@@ -16,12 +16,14 @@ from lmcache_vllm.testing.tiny_model import (
     shutdown_llm,
     vllm_engine_kwargs,
 )
+from lmcache_vllm.testing.vllm_config import connector_vllm_config
 
 __all__ = [
     "FIRST_WORD_ID",
     "SPECIAL_TOKENS",
     "build_random_lora",
     "build_tiny_llama",
+    "connector_vllm_config",
     "make_prompt",
     "shutdown_llm",
     "vllm_engine_kwargs",
