@@ -60,6 +60,11 @@ _SPECS: tuple[tuple[str, type[Counter] | type[Histogram], str], ...] = (
         "Chunks whose bytes did not match their checksum (treated as misses)",
     ),
     ("tier_errors", Counter, "Tier operations that failed or timed out (treated as misses)"),
+    ("disk_hit_chunks", Counter, "Chunks read from the local disk tier (verified)"),
+    ("remote_hit_chunks", Counter, "Chunks read from the remote tier (verified)"),
+    ("disk_stored_chunks", Counter, "Chunks written to the local disk tier"),
+    ("remote_stored_chunks", Counter, "Chunks written to the remote tier"),
+    ("dropped_writes", Counter, "Disk/remote writes dropped because the write queue was full"),
     ("store_seconds", Histogram, "Wall time of store calls"),
     ("retrieve_seconds", Histogram, "Wall time of retrieve calls"),
 )
@@ -163,6 +168,11 @@ class LMCacheMetrics:
         failed_allocations: Allocations that did not fit even after eviction.
         checksum_failures: Chunks whose bytes did not match their checksum (treated as misses).
         tier_errors: Tier operations that failed or timed out (treated as misses).
+        disk_hit_chunks: Chunks read from the local disk tier (verified).
+        remote_hit_chunks: Chunks read from the remote tier (verified).
+        disk_stored_chunks: Chunks written to the local disk tier.
+        remote_stored_chunks: Chunks written to the remote tier.
+        dropped_writes: Disk/remote writes dropped because the write queue was full.
         store_seconds: Wall time of ``store`` calls.
         retrieve_seconds: Wall time of ``retrieve`` calls.
     """
@@ -178,6 +188,11 @@ class LMCacheMetrics:
     failed_allocations: Counter
     checksum_failures: Counter
     tier_errors: Counter
+    disk_hit_chunks: Counter
+    remote_hit_chunks: Counter
+    disk_stored_chunks: Counter
+    remote_stored_chunks: Counter
+    dropped_writes: Counter
     store_seconds: Histogram
     retrieve_seconds: Histogram
 
