@@ -1,0 +1,660 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The local disk tier: one file per chunk under a folder, an LRU byte quota, crash-safe writes.
+
+On-disk layout (``local_disk: /path`` or ``file:///path``)::
+
+    /path/                                  created 0700 (an existing folder is used as is)
+        <fingerprint digest hex>/           one folder per model fingerprint, 0700
+            <chunk key hex>.lmc             a chunk: 4096-byte header + raw bytes, 0600
+            .tmp-<key hex>-<pid>-<n>        a write in progress (never read)
+
+A ``.lmc`` file is exactly :mod:`lmcache.tiers.chunk_format`'s entry: the
+:data:`~lmcache.tiers.chunk_format.HEADER_BYTES`-byte header, then the payload
+``[num_layers, num_tokens, kv_width]`` in C order, 4 KiB-aligned in the file. Files and folders
+with other names are never touched, so the folder may be shared with unrelated files.
+
+Guarantees:
+
+* **No half file under a real name.** A write goes to a temporary name in the same folder
+  (``O_EXCL``, 0600, ``flock``-ed while open), is ``fsync``-ed, renamed onto the real name with
+  ``os.replace`` while still locked, and the folder is ``fsync``-ed (both ``fsync`` calls unless
+  ``fsync=False``). A crash at any point leaves either no file or the complete one under the real
+  name; temporary files whose writer is gone (their ``flock`` is free, as after ``kill -9``) are
+  deleted when a tier starts, those of a live writer are left alone.
+* **Survives a restart.** On start the tier rebuilds its index by scanning the folder: each
+  file's header is decoded (magic, version, header checksum), its key and fingerprint must match
+  its name and folder, and its size must be the header plus the payload length the header
+  states. Files that fail are deleted. The payload checksum is *not* verified at start (that
+  would read the whole cache, possibly hundreds of GB, before the engine can serve); every read
+  verifies it instead (:func:`~lmcache.tiers.chunk_format.verify_chunk`: key, fingerprint,
+  shape, dtype, length, checksum) before a byte is reported as loaded, and a failing entry is
+  deleted by :class:`~lmcache.tiers.lower_tier.LowerTier`. The LRU order is restored from the
+  files' modification times (reads update them).
+* **Byte quota.** ``max_bytes`` bounds the sum of the chunk file sizes. Least recently used
+  entries (reads and writes count as use) are deleted *before* a write makes room for its file,
+  so the tier's files, the one being written included, never exceed ``max_bytes``. A read of a
+  run of chunks marks the first chunk as the most recent, so eviction takes a prompt's tail
+  before its head. Writing a key that is already stored (same size) only marks it used: keys
+  hash the tokens and the model fingerprint, so the bytes are the same.
+* **Errors are misses.** ``ENOSPC`` or any other ``OSError`` while writing removes the temporary
+  file and is raised from :meth:`DiskTier._write`; the base class counts it in ``tier_errors``.
+  A file deleted between lookup and read is a miss.
+
+Reads go straight into the caller's host buffer: ``preadv`` of the header, then of the payload
+into ``request.out``'s memory (no intermediate copy). When ``request.out`` is 4 KiB-aligned (a
+pinned pool's slabs are page-aligned; pageable ones are not) the payload's 4 KiB blocks are read
+with ``O_DIRECT`` and a shorter tail through the page cache. Measured on cold 32 MiB chunks:
+1.7 GB/s direct against 1.35 GB/s buffered on a GPU host's disk, even (1.4 against 1.45) on a
+2-core VM; reading direct into an aligned bounce buffer and copying was never faster than
+buffered, so unaligned buffers are read buffered. A filesystem that refuses ``O_DIRECT``
+(``EINVAL``) turns it off for the tier.
+
+One tier instance should own a folder: several processes may share one (e.g. one per
+tensor-parallel rank: their fingerprints, hence subfolders, differ), but each keeps its own index
+and quota, so each may evict the others' files (a miss for them, never a wrong read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import itertools
+import logging
+import os
+import re
+import stat
+import threading
+import time
+import urllib.parse
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from lmcache.config import ConfigError
+from lmcache.tiers.chunk_format import HEADER_BYTES, ChunkHeader, CorruptChunk, verify_chunk
+from lmcache.tiers.lower_tier import LowerTier, ReadRequest
+
+__all__ = ["DiskTier"]
+
+logger = logging.getLogger(__name__)
+
+#: Suffix of a chunk file; its stem is the chunk key in hex.
+SUFFIX = ".lmc"
+#: Prefix of a temporary file (a write in progress, or left by a crash).
+TMP_PREFIX = ".tmp-"
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_ENTRY = re.compile(r"([0-9a-f]{32})\.lmc")
+_DIRECT_ALIGN = 4096
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+_O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
+
+_Ident = tuple[bytes, bytes]  # (fingerprint digest, chunk key)
+_Entry = tuple[int, int]  # (file size, mtime in ns: also tells one write of a key from another)
+
+
+def _local_path(path: str) -> str:
+    """``/dir``, ``~/dir`` or ``file:///dir`` as an absolute path."""
+    if path.startswith("file:"):
+        parsed = urllib.parse.urlparse(path)
+        if parsed.netloc not in ("", "localhost") or not parsed.path:
+            raise ConfigError(
+                f"lmcache config key 'local_disk': expected a local folder such as '/data/lmcache' "
+                f"or 'file:///data/lmcache', found {path!r}. Use a path on this machine (for a "
+                "shared cache use remote_url)."
+            )
+        path = urllib.parse.unquote(parsed.path)
+    if not path:
+        raise ConfigError(
+            "lmcache config key 'local_disk': found an empty path; set it to a folder such as "
+            "'/data/lmcache', or unset it to run without a disk tier."
+        )
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _bad_folder(path: str, found: str) -> ConfigError:
+    return ConfigError(
+        f"lmcache config key 'local_disk': cannot use {path!r} as the disk tier folder: {found}. "
+        "Set local_disk to a writable folder on a local filesystem (it is created, mode 0700, "
+        "if missing), or unset it to run without a disk tier."
+    )
+
+
+def _make_folder(path: str) -> None:
+    """Create ``path`` and its missing parents, each 0700; warn if an existing one is looser."""
+    missing: list[str] = []
+    probe = path
+    while True:
+        try:
+            st = os.stat(probe)
+        except (FileNotFoundError, NotADirectoryError):
+            missing.append(probe)
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                raise _bad_folder(path, "no existing parent folder") from None
+            probe = parent
+            continue
+        except OSError as exc:
+            raise _bad_folder(path, f"{probe!r} cannot be inspected ({exc})") from exc
+        if not stat.S_ISDIR(st.st_mode):
+            raise _bad_folder(path, f"{probe!r} exists and is not a folder")
+        break
+    if not missing and st.st_mode & 0o077:
+        logger.warning(
+            "lmcache disk tier folder %s has mode %o: other users can list it. Its chunk files "
+            "are 0600, but consider 'chmod 700 %s'.",
+            path,
+            stat.S_IMODE(st.st_mode),
+            path,
+        )
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+            os.chmod(folder, 0o700)  # the umask may have cleared bits we set; it cannot add any
+        except FileExistsError:
+            if not os.path.isdir(folder):
+                raise _bad_folder(path, f"{folder!r} exists and is not a folder") from None
+        except OSError as exc:
+            raise _bad_folder(path, f"cannot create {folder!r} ({exc})") from exc
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _remove_if_abandoned(path: str) -> bool:
+    """Delete a temporary file whose writer is gone (its ``flock`` is free); ``True`` if gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    except OSError:  # a symlink (not ours to keep), or unreadable
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a live writer holds it
+        _unlink(path)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
+    """Read up to ``len(buf)`` bytes at ``offset`` (looping over short reads); bytes read."""
+    done = 0
+    total = len(buf)
+    while done < total:
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+class DiskTier(LowerTier):
+    """Chunks as files under a local folder, with an LRU byte quota (see the module docstring).
+
+    Thread-safe: one lock guards the index (never held during I/O); a second serializes writes,
+    evictions and clears so the quota holds.
+
+    Args:
+        path: The folder, ``/dir`` or ``file:///dir`` (``local_disk``). Created 0700 with its
+            missing parents.
+        max_bytes: Most bytes of chunk files (headers included) kept (``max_local_disk_size``).
+        write_queue_bytes: Bytes of queued writes beyond which new writes are dropped.
+        fsync: ``fsync`` each file and its folder before a write counts as done (crash safety;
+            ``False`` only for throwaway caches and tests).
+        direct_io: Read payloads with ``O_DIRECT`` when the destination buffer is 4 KiB-aligned.
+
+    Raises:
+        ConfigError: the folder cannot be created or written (key ``local_disk``), or
+            ``max_bytes`` cannot hold a chunk (key ``max_local_disk_size``).
+    """
+
+    kind = "disk"
+
+    def __init__(
+        self,
+        path: str,
+        max_bytes: int,
+        *,
+        write_queue_bytes: int = 1 << 30,
+        fsync: bool = True,
+        direct_io: bool = True,
+    ) -> None:
+        super().__init__(write_queue_bytes=write_queue_bytes)
+        if max_bytes <= HEADER_BYTES:
+            raise ConfigError(
+                f"lmcache config key 'max_local_disk_size': the disk tier quota must hold at least "
+                f"one chunk ({HEADER_BYTES} header bytes + the chunk's bytes), found {max_bytes} "
+                "bytes. Raise max_local_disk_size (GB), or unset local_disk."
+            )
+        self._root = _local_path(path)
+        self._max_bytes = int(max_bytes)
+        self._fsync = fsync
+        self._direct = direct_io and _O_DIRECT != 0
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._index: OrderedDict[_Ident, _Entry] = OrderedDict()  # least recently used first
+        self._used = 0
+        self._seq = itertools.count()
+        self._last_stamp = 0  # the newest mtime (ns) this tier gave a file: the LRU order
+        _make_folder(self._root)
+        self._probe_writable()
+        self._scan()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def path(self) -> str:
+        """The folder, as an absolute path."""
+        return self._root
+
+    @property
+    def max_bytes(self) -> int:
+        """The byte quota."""
+        return self._max_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the indexed chunk files."""
+        with self._lock:
+            return self._used
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def check_quota(self, chunk_bytes: int) -> None:
+        """Check that the quota holds one chunk of ``chunk_bytes`` payload bytes.
+
+        Raises:
+            ConfigError: naming ``max_local_disk_size``.
+        """
+        need = HEADER_BYTES + chunk_bytes
+        if self._max_bytes < need:
+            raise ConfigError(
+                f"lmcache config key 'max_local_disk_size': the disk tier quota is "
+                f"{self._max_bytes} bytes, below one chunk ({chunk_bytes} bytes + a "
+                f"{HEADER_BYTES}-byte header = {need}). Raise max_local_disk_size to at least "
+                f"{need / 1024**3:.6f} GB, lower chunk_size, or unset local_disk."
+            )
+
+    # ------------------------------------------------------------------ start
+
+    def _probe_writable(self) -> None:
+        probe = os.path.join(self._root, f".lmcache-probe-{os.getpid()}-{next(self._seq)}")
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o600))
+            _unlink(probe)
+        except OSError as exc:
+            raise _bad_folder(self._root, f"a file cannot be created in it ({exc})") from exc
+
+    def _scan(self) -> None:
+        """Rebuild the index from the folder, deleting what does not verify (see module doc)."""
+        found: list[tuple[int, _Ident, int]] = []  # (mtime_ns, ident, size)
+        bad = stale = 0
+        for folder in list(os.scandir(self._root)):
+            if not (_HEX32.fullmatch(folder.name) and folder.is_dir(follow_symlinks=False)):
+                continue
+            fingerprint = bytes.fromhex(folder.name)
+            try:
+                if stat.S_IMODE(folder.stat(follow_symlinks=False).st_mode) != 0o700:
+                    os.chmod(folder.path, 0o700)  # our folder: keep it private
+                entries = list(os.scandir(folder.path))
+            except OSError as exc:
+                logger.warning("lmcache disk tier: skipping folder %s (%r)", folder.path, exc)
+                continue
+            for entry in entries:
+                if entry.name.startswith(TMP_PREFIX):
+                    stale += _remove_if_abandoned(entry.path)
+                    continue
+                match = _ENTRY.fullmatch(entry.name)
+                if match is None:
+                    continue
+                ident = (fingerprint, bytes.fromhex(match.group(1)))
+                try:
+                    size, mtime = self._check_file(entry.path, ident)
+                except CorruptChunk as exc:
+                    logger.debug("lmcache disk tier: deleting %s at start (%s)", entry.path, exc)
+                    bad += 1
+                    _unlink(entry.path)
+                    continue
+                except OSError as exc:
+                    logger.warning("lmcache disk tier: skipping %s (%r)", entry.path, exc)
+                    continue
+                found.append((mtime, ident, size))
+        found.sort(key=lambda item: item[0])
+        for mtime, ident, size in found:
+            self._index[ident] = (size, mtime)
+            self._used += size
+            self._last_stamp = max(self._last_stamp, mtime)
+        with self._lock:
+            victims = self._make_room(0)
+        for victim in victims:
+            _unlink(self._file(*victim))
+        if bad or stale:
+            logger.warning(
+                "lmcache disk tier %s: deleted %d chunk files that did not verify and %d "
+                "temporary files left by interrupted writes.",
+                self._root,
+                bad,
+                stale,
+            )
+        logger.info(
+            "lmcache disk tier %s: %d chunks, %d of %d bytes (%d evicted to fit the quota).",
+            self._root,
+            len(self._index),
+            self._used,
+            self._max_bytes,
+            len(victims),
+        )
+
+    @staticmethod
+    def _check_file(path: str, ident: _Ident) -> tuple[int, int]:
+        """Size and mtime of a chunk file whose header matches its name; raises CorruptChunk."""
+        try:
+            fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptChunk("a symlink under a chunk name") from exc
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptChunk("not a regular file")
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                with contextlib.suppress(OSError):
+                    os.fchmod(fd, 0o600)
+            header = ChunkHeader.decode(os.pread(fd, HEADER_BYTES, 0))
+        finally:
+            os.close(fd)
+        if (header.fingerprint, header.key) != ident:
+            raise CorruptChunk("the header names another key or fingerprint than the file name")
+        layers, tokens, width = header.shape
+        itemsize = torch.empty((), dtype=header.dtype).element_size()
+        if header.nbytes != layers * tokens * width * itemsize:
+            raise CorruptChunk("the payload length does not match the shape")
+        if st.st_size != HEADER_BYTES + header.nbytes:
+            raise CorruptChunk(
+                f"file is {st.st_size} bytes, expected {HEADER_BYTES + header.nbytes}"
+            )
+        return st.st_size, st.st_mtime_ns
+
+    # ------------------------------------------------------------------ helpers
+
+    def _folder(self, fingerprint: bytes) -> str:
+        return os.path.join(self._root, fingerprint.hex())
+
+    def _file(self, fingerprint: bytes, key: bytes) -> str:
+        return os.path.join(self._root, fingerprint.hex(), key.hex() + SUFFIX)
+
+    def _make_room(self, size: int) -> list[_Ident]:
+        """Drop LRU entries from the index until ``size`` more bytes fit; caller holds the lock
+        and deletes the returned entries' files."""
+        victims: list[_Ident] = []
+        while self._index and self._used + size > self._max_bytes:
+            ident, (victim_size, _) = self._index.popitem(last=False)
+            self._used -= victim_size
+            victims.append(ident)
+        return victims
+
+    def _stamps(self, count: int) -> int:
+        """The first of ``count`` strictly increasing mtimes (ns); caller holds the lock.
+
+        Files get explicit mtimes because the kernel's are coarse (a few ms): consecutive
+        writes would tie, and the order rebuilt at start would be arbitrary among them.
+        """
+        base = max(time.time_ns(), self._last_stamp + 1)
+        self._last_stamp = base + count - 1
+        return base
+
+    def _forget(self, ident: _Ident, entry: _Entry | None = None) -> None:
+        """Drop an entry from the index (only if it is still ``entry``, when given)."""
+        with self._lock:
+            found = self._index.get(ident)
+            if found is not None and entry in (None, found):
+                del self._index[ident]
+                self._used -= found[0]
+
+    # ------------------------------------------------------------------ primitives
+
+    def _exists(self, fingerprint: bytes, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [(fingerprint, key) in self._index for key in keys]
+
+    def _read_into(
+        self, fingerprint: bytes, requests: Sequence[ReadRequest]
+    ) -> list[bool | CorruptChunk]:
+        results: list[bool | CorruptChunk] = []
+        for request in requests:
+            result = self._read_one(fingerprint, request)
+            results.append(result)
+            if result is not True:
+                break
+        results += [False] * (len(requests) - len(results))
+        done = [r.key for r, ok in zip(requests, results, strict=True) if ok is True]
+        # Touch in reverse so the run's first chunk ends up most recent (evicted last).
+        with self._lock:
+            for key in reversed(done):
+                if (fingerprint, key) in self._index:
+                    self._index.move_to_end((fingerprint, key))
+            base = self._stamps(len(done))
+        for i, key in enumerate(done):
+            stamp = base + len(done) - 1 - i
+            with contextlib.suppress(OSError):  # evicted meanwhile: the order is a hint
+                os.utime(self._file(fingerprint, key), ns=(stamp, stamp))
+        return results
+
+    def _read_one(self, fingerprint: bytes, request: ReadRequest) -> bool | CorruptChunk:
+        out = request.out
+        if out.device.type != "cpu" or not out.is_contiguous() or out.dim() != 3:
+            raise ValueError(
+                f"DiskTier reads into a contiguous CPU tensor [num_layers, num_tokens, kv_width], "
+                f"found device={out.device}, shape={tuple(out.shape)}, "
+                f"contiguous={out.is_contiguous()}."
+            )
+        path = self._file(fingerprint, request.key)
+        with self._lock:
+            entry = self._index.get((fingerprint, request.key))
+        try:
+            fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        except FileNotFoundError:  # deleted meanwhile; keep a newer write's entry
+            if entry is not None:
+                self._forget((fingerprint, request.key), entry)
+            return False
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return CorruptChunk("a symlink under a chunk name")
+            raise
+        shape = (out.shape[0], out.shape[1], out.shape[2])
+        try:
+            head = os.pread(fd, HEADER_BYTES, 0)
+            if len(head) < HEADER_BYTES:
+                return CorruptChunk(f"file truncated inside the header ({len(head)} bytes)")
+            header = ChunkHeader.decode(head)
+            verify_chunk(
+                header, None, key=request.key, fingerprint=fingerprint, shape=shape, dtype=out.dtype
+            )
+            size = os.fstat(fd).st_size
+            if size != HEADER_BYTES + header.nbytes:
+                return CorruptChunk(
+                    f"file is {size} bytes, expected {HEADER_BYTES + header.nbytes}"
+                )
+            buf = out.reshape(-1).view(torch.uint8).numpy().data
+            got = self._read_payload(fd, path, buf, out.data_ptr())
+            if got != len(buf):
+                return CorruptChunk(f"payload truncated: read {got} of {len(buf)} bytes")
+            verify_chunk(
+                header, out, key=request.key, fingerprint=fingerprint, shape=shape, dtype=out.dtype
+            )
+        except CorruptChunk as exc:
+            return exc
+        finally:
+            os.close(fd)
+        return True
+
+    def _read_payload(self, fd: int, path: str, buf: memoryview, address: int) -> int:
+        """Read the payload into ``buf``; ``O_DIRECT`` for its aligned part when possible."""
+        bulk = len(buf) // _DIRECT_ALIGN * _DIRECT_ALIGN
+        if not (self._direct and bulk and address % _DIRECT_ALIGN == 0):
+            return _pread_into(fd, buf, HEADER_BYTES)
+        try:
+            direct = os.open(path, os.O_RDONLY | _O_DIRECT | _O_NOFOLLOW | _O_CLOEXEC)
+        except FileNotFoundError:
+            return _pread_into(fd, buf, HEADER_BYTES)  # replaced meanwhile: fd still reads
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._no_direct(exc)
+            return _pread_into(fd, buf, HEADER_BYTES)
+        try:
+            if os.fstat(direct).st_ino != os.fstat(fd).st_ino:  # replaced between the opens
+                return _pread_into(fd, buf, HEADER_BYTES)
+            try:
+                got = _pread_into(direct, buf[:bulk], HEADER_BYTES)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._no_direct(exc)
+                return _pread_into(fd, buf, HEADER_BYTES)
+        finally:
+            os.close(direct)
+        if got != bulk:
+            return got
+        return bulk + _pread_into(fd, buf[bulk:], HEADER_BYTES + bulk)
+
+    def _no_direct(self, exc: OSError) -> None:
+        if self._direct:
+            self._direct = False
+            logger.info(
+                "lmcache disk tier %s: O_DIRECT refused (%r); reading through the page cache.",
+                self._root,
+                exc,
+            )
+
+    def _write(self, fingerprint: bytes, key: bytes, header: bytes, payload: memoryview) -> None:
+        size = len(header) + payload.nbytes
+        if size > self._max_bytes:
+            raise ValueError(
+                f"a {size}-byte chunk file exceeds the disk quota of {self._max_bytes} bytes; "
+                "raise max_local_disk_size"
+            )
+        ident = (fingerprint, key)
+        final = self._file(fingerprint, key)
+        with self._write_lock:
+            with self._lock:
+                known = self._index.get(ident)
+            if known is not None:
+                try:
+                    present = os.stat(final).st_size == known[0] == size
+                except FileNotFoundError:
+                    present = False
+                if present:  # same key, same bytes (keys hash the tokens and the model)
+                    with self._lock:
+                        if ident in self._index:
+                            self._index.move_to_end(ident)
+                    return
+                self._forget(ident)
+                _unlink(final)
+            with self._lock:
+                victims = self._make_room(size)
+            for victim in victims:
+                _unlink(self._file(*victim))
+            stamp = self._write_file(fingerprint, key, final, header, payload)
+            with self._lock:
+                self._index[ident] = (size, stamp)
+                self._index.move_to_end(ident)
+                self._used += size
+
+    def _write_file(
+        self, fingerprint: bytes, key: bytes, final: str, header: bytes, payload: memoryview
+    ) -> int:
+        """Write ``header + payload`` to a temporary file and rename it to ``final``; its mtime."""
+        folder = self._folder(fingerprint)
+        tmp = os.path.join(folder, f"{TMP_PREFIX}{key.hex()}-{os.getpid()}-{next(self._seq)}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
+        new_folder = False
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except FileNotFoundError:
+            try:
+                os.mkdir(folder, 0o700)
+                os.chmod(folder, 0o700)
+                new_folder = True
+            except FileExistsError:
+                pass
+            fd = os.open(tmp, flags, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # marks the temp file as live
+                parts = [memoryview(header), payload]
+                while parts:
+                    n = os.writev(fd, parts)
+                    while parts and n >= len(parts[0]):
+                        n -= len(parts[0])
+                        parts.pop(0)
+                    if parts and n:
+                        parts[0] = parts[0][n:]
+                with self._lock:
+                    stamp = self._stamps(1)
+                os.utime(fd, ns=(stamp, stamp))
+                if self._fsync:
+                    os.fsync(fd)
+                os.replace(tmp, final)  # while the flock is held: a start scan leaves it be
+            finally:
+                os.close(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                _unlink(tmp)
+            raise
+        if self._fsync:
+            _fsync_dir(folder)
+            if new_folder:
+                _fsync_dir(self._root)
+        return stamp
+
+    def _delete(self, fingerprint: bytes, key: bytes) -> None:
+        self._forget((fingerprint, key))
+        _unlink(self._file(fingerprint, key))
+
+    def _clear(self, fingerprint: bytes | None) -> None:
+        with self._write_lock:
+            with self._lock:
+                for ident in [i for i in self._index if fingerprint in (None, i[0])]:
+                    self._used -= self._index.pop(ident)[0]
+            if fingerprint is not None:
+                names = [fingerprint.hex()]
+            else:
+                names = [n for n in os.listdir(self._root) if _HEX32.fullmatch(n)]
+            for name in names:
+                folder = os.path.join(self._root, name)
+                try:
+                    entries = os.listdir(folder)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                for entry in entries:
+                    if _ENTRY.fullmatch(entry):
+                        _unlink(os.path.join(folder, entry))
+                    elif entry.startswith(TMP_PREFIX):
+                        _remove_if_abandoned(os.path.join(folder, entry))
+                with contextlib.suppress(OSError):  # other files, or a write creating one
+                    os.rmdir(folder)
+
+    def _close(self) -> None:
+        """Nothing to release: the tier keeps no file open between operations."""
