@@ -6,6 +6,9 @@
 - :class:`~lmcache.testing.paged_cpu_connector.PagedCPUConnector`: a real connector over a
   simple paged CPU layout (register it as ``"mock.cpu"`` with target
   ``"lmcache.testing.paged_cpu_connector:select"``).
+- :class:`~lmcache.testing.redis_server.RedisServer`, ``RedisClusterServer``,
+  ``RedisSentinel``: real ``redis-server`` processes on 127.0.0.1 for tier tests
+  (:func:`~lmcache.testing.redis_server.redis_server_path` is ``None`` where none is installed).
 
 Imported lazily, so ``import lmcache.testing`` does not import pytest.
 """
@@ -18,13 +21,30 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lmcache.testing.conformance import GPUConnectorConformance
     from lmcache.testing.paged_cpu_connector import PagedCPUConnector
+    from lmcache.testing.redis_server import (
+        RedisClusterServer,
+        RedisSentinel,
+        RedisServer,
+        redis_server_path,
+    )
 
 _LAZY: dict[str, str] = {
     "GPUConnectorConformance": "lmcache.testing.conformance",
     "PagedCPUConnector": "lmcache.testing.paged_cpu_connector",
+    "RedisClusterServer": "lmcache.testing.redis_server",
+    "RedisSentinel": "lmcache.testing.redis_server",
+    "RedisServer": "lmcache.testing.redis_server",
+    "redis_server_path": "lmcache.testing.redis_server",
 }
 
-__all__ = ["GPUConnectorConformance", "PagedCPUConnector"]
+__all__ = [
+    "GPUConnectorConformance",
+    "PagedCPUConnector",
+    "RedisClusterServer",
+    "RedisSentinel",
+    "RedisServer",
+    "redis_server_path",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,573 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The remote tier: chunks in a shared Redis or Valkey server, through redis-py.
+
+URL forms (``remote_url``)::
+
+    redis://[user:password@]host[:port][/db]        plain TCP (port 6379, db 0 by default)
+    rediss://[user:password@]host[:port][/db]       TLS (query: ssl_ca_certs, ssl_cert_reqs, ...)
+    valkey://...  valkeys://...                     the same as redis:// and rediss://
+    unix://[user:password@]/path/to/socket[?db=N]   a local socket
+    redis+cluster://[user:password@]host[:port]     Redis Cluster: any node; the rest is discovered
+                                                    (also rediss+, valkey+, valkeys+cluster://)
+    redis+sentinel://[user:password@]host[:port][,host2[:port2]...]/service_name[/db]
+                                                    Sentinel (port 26379 by default); the
+                                                    password is the master's (also rediss+,
+                                                    valkey+, valkeys+sentinel://)
+
+The password may instead come from the environment variable ``LMCACHE_REMOTE_PASSWORD`` (used
+when the URL carries none), which keeps it out of config files. It is never logged, put in an
+error message or in ``repr``: URLs are shown with the password as ``***``.
+
+Key names are ``{namespace}:{fingerprint_hex}:{key_hex}`` (``lmcache:0f3a…:9b21…``): the
+fingerprint digest (model, geometry, dtype, rank, cache salt) keeps models and tenants apart on
+one server, and the namespace keeps deployments apart. Values are
+:mod:`lmcache.tiers.chunk_format` entries (header + raw bytes); every value read is verified
+(header checksum, key, fingerprint, geometry, length, payload checksum) before a connector sees
+it, and a value that fails is deleted. :meth:`RedisTier._clear` deletes with ``SCAN MATCH`` +
+``UNLINK`` in batches (on a cluster, on every primary).
+
+Every operation is bounded in time: connect and socket timeouts are ``timeout`` seconds and
+redis-py's own retries are off, so a dead or paused (SIGSTOP) server costs one ``timeout`` per
+operation at most. A circuit breaker bounds the total: after ``breaker_failures`` consecutive
+failed operations the tier is *open* for ``breaker_cooldown`` seconds, during which operations
+are misses at once without touching the network; then one trial operation decides whether it
+closes again. The breaker logs only when it opens and when it closes. A server that is
+unreachable when the tier is made is not an error: the tier starts open (one log line) and
+reconnects by itself once the server answers, without restarting the engine.
+
+Batches use one round trip: ``contains`` pipelines ``EXISTS``, ``read_into`` pipelines ``GET``
+(cut into groups of at most :attr:`RedisTier.read_group_bytes` bytes so a read of many 32 MiB
+chunks does not hold them all in memory twice). A write is one ``SET`` (``PX`` with a TTL) whose
+value is sent from the header and the host buffer as they are, without concatenating them
+(except on a cluster after a slot moved, where redis-py's redirect handling takes over).
+
+The tier is thread-safe: the writer thread and readers share redis-py's connection pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from lmcache.config import ConfigError
+from lmcache.tiers.chunk_format import (
+    _FIELDS,
+    _SUM,
+    HEADER_BYTES,
+    ChunkHeader,
+    CorruptChunk,
+    verify_chunk,
+)
+from lmcache.tiers.lower_tier import LowerTier, ReadRequest
+from lmcache.tiers.redis_url import mask_url, parse_remote_url
+
+if TYPE_CHECKING:
+    import redis
+
+__all__ = ["PASSWORD_ENV", "RedisTier", "mask_url"]
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable holding the server password when the URL has none.
+PASSWORD_ENV = "LMCACHE_REMOTE_PASSWORD"
+
+_T = TypeVar("_T")
+_NAMESPACE = re.compile(r"[A-Za-z0-9_.\-/]+")
+_SCAN_COUNT = 1000
+#: The header's checksummed fields end here; the rest of its HEADER_BYTES must be zero.
+_HEADER_FIELDS_END = _FIELDS.size + _SUM.size
+_ZERO_PADDING = bytes(HEADER_BYTES - _HEADER_FIELDS_END)
+#: redis-py < 5.3 needs a command name for ``ConnectionPool.get_connection`` (later ones warn).
+_OLD_REDIS_PY: bool | None = None
+
+
+class _Unavailable(ConnectionError):
+    """The circuit breaker is open: the operation was not tried (counted as a tier error)."""
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(
+            f"RedisTier needs contiguous CPU read buffers, found device={tensor.device}, "
+            f"contiguous={tensor.is_contiguous()}; pass a host chunk lease's tensor."
+        )
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
+
+
+class _Breaker:
+    """Consecutive-failure circuit breaker: closed → open (cool-down) → one trial → closed."""
+
+    def __init__(self, failures: int, cooldown: float, describe: str) -> None:
+        self.failures = failures
+        self.cooldown = cooldown
+        self.describe = describe
+        self._lock = threading.Lock()
+        self._consecutive = 0
+        self._open_until: float | None = None  # None: closed
+        self._trial = False
+
+    @property
+    def is_open(self) -> bool:
+        with self._lock:
+            return self._open_until is not None
+
+    def admit(self) -> bool:
+        """Let an operation through; returns whether it is the trial of an open breaker.
+
+        Raises:
+            _Unavailable: the breaker is open (cooling down, or a trial is running).
+        """
+        with self._lock:
+            if self._open_until is None:
+                return False
+            left = self._open_until - time.monotonic()
+            if left > 0 or self._trial:
+                raise _Unavailable(
+                    f"{self.describe} is unavailable (circuit breaker open, next try in "
+                    f"{max(left, 0.0):.1f} s)"
+                )
+            self._trial = True
+            return True
+
+    def trip(self) -> None:
+        """Open without logging (the caller logged)."""
+        with self._lock:
+            self._consecutive = self.failures
+            self._open_until = time.monotonic() + self.cooldown
+            self._trial = False
+
+    def record(self, outcome: bool | None, trial: bool, exc: BaseException | None = None) -> None:
+        """Count an operation's outcome: ``True`` ok, ``False`` network failure, ``None`` neither."""
+        with self._lock:
+            if trial:
+                self._trial = False
+            if outcome is None:
+                return
+            if outcome:
+                self._consecutive = 0
+                if self._open_until is not None:
+                    self._open_until = None
+                    logger.warning(
+                        "lmcache remote tier: %s answers again; closed again.", self.describe
+                    )
+                return
+            self._consecutive += 1
+            if trial:
+                self._open_until = time.monotonic() + self.cooldown
+                logger.debug(
+                    "lmcache remote tier: %s still failing (%r); retrying in %.1f s.",
+                    self.describe,
+                    exc,
+                    self.cooldown,
+                )
+            elif self._open_until is None and self._consecutive >= self.failures:
+                self._open_until = time.monotonic() + self.cooldown
+                logger.warning(
+                    "lmcache remote tier: circuit breaker open after %d consecutive failures of "
+                    "%s (last: %r); operations are misses, retrying in %.1f s.",
+                    self._consecutive,
+                    self.describe,
+                    exc,
+                    self.cooldown,
+                )
+
+
+class RedisTier(LowerTier):
+    """Chunks in a Redis/Valkey server (standalone, Sentinel or Cluster). See the module doc.
+
+    Args:
+        url: Where the server is (forms in the module docstring).
+        namespace: Prefix of every key name (letters, digits, ``_.-/``); deployments that share
+            a server but must not share chunks use different namespaces.
+        timeout: Seconds allowed to connect and for each socket read or write of an operation.
+        ttl: Seconds after which a stored chunk expires (``SET ... PX``), or ``None`` for never.
+        write_queue_bytes: Bytes of queued writes beyond which new writes are dropped.
+        breaker_failures: Consecutive failed operations that open the circuit breaker.
+        breaker_cooldown: Seconds the breaker stays open before one trial operation.
+
+    Raises:
+        ConfigError: a malformed URL, unknown scheme, or bad namespace/timeout/ttl/breaker value
+            (never showing the password).
+        ImportError: redis-py is not installed.
+    """
+
+    kind = "remote"
+
+    #: Bytes of values one pipelined ``GET`` round trip may return (at least one value).
+    read_group_bytes: int = 64 << 20
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str = "lmcache",
+        timeout: float = 1.0,
+        ttl: float | None = None,
+        write_queue_bytes: int = 1 << 30,
+        breaker_failures: int = 3,
+        breaker_cooldown: float = 5.0,
+    ) -> None:
+        target = parse_remote_url(url)
+        if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+            raise ConfigError(
+                f"RedisTier namespace: expected letters, digits and '_.-/' (e.g. 'lmcache'), "
+                f"found {namespace!r}. Choose a plain name; it prefixes every key."
+            )
+        for name, value, ok in (
+            ("timeout", timeout, math.isfinite(timeout) and timeout > 0),
+            ("ttl", ttl, ttl is None or (math.isfinite(ttl) and ttl >= 0.001)),
+            ("breaker_failures", breaker_failures, breaker_failures >= 1),
+            ("breaker_cooldown", breaker_cooldown, breaker_cooldown >= 0),
+        ):
+            if not ok:
+                raise ConfigError(
+                    f"RedisTier {name}: expected a positive finite number (ttl: None or >= "
+                    f"0.001 s, breaker_failures >= 1), found {value!r}."
+                )
+        try:
+            import redis
+        except ImportError as exc:
+            raise ImportError(
+                "lmcache's remote tier (remote_url) needs redis-py: pip install "
+                "'lmcache-core[redis]'"
+            ) from exc
+        global _OLD_REDIS_PY
+        if _OLD_REDIS_PY is None:
+            from packaging.version import Version
+
+            _OLD_REDIS_PY = Version(redis.__version__) < Version("5.3")
+        super().__init__(write_queue_bytes=write_queue_bytes)
+        self._target = target
+        self._masked = mask_url(url)
+        self._namespace = namespace
+        self._timeout = float(timeout)
+        self._ttl_ms = None if ttl is None else max(1, round(ttl * 1000))
+        self._password = os.environ.get(PASSWORD_ENV) or None
+        self._client_lock = threading.Lock()
+        self._client_obj: Any = None  # redis.Redis or redis.cluster.RedisCluster, made lazily
+        self._breaker = _Breaker(breaker_failures, breaker_cooldown, self._masked)
+        client: Any = None
+        try:  # not through the breaker: a failure here is logged once, below
+            client = self._client()
+            client.ping()
+        except Exception as exc:
+            if client is not None:
+                self._drop_connections(client)
+            self._breaker.trip()
+            logger.warning(
+                "lmcache remote tier: %s unreachable at start (%r); running degraded (every "
+                "lookup a miss) and retrying every %.1f s.",
+                self._masked,
+                exc,
+                breaker_cooldown,
+            )
+
+    def __repr__(self) -> str:
+        return f"RedisTier({self._masked!r}, namespace={self._namespace!r})"
+
+    # ------------------------------------------------------------------ connections
+
+    def _connection_kwargs(self) -> dict[str, Any]:
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        return {
+            "socket_timeout": self._timeout,
+            "socket_connect_timeout": self._timeout,
+            "retry": Retry(NoBackoff(), 0),
+            "health_check_interval": 0,
+            "socket_read_size": 1 << 20,
+            "protocol": 2,
+        }
+
+    def _make_client(self) -> Any:
+        import redis
+        from redis.cluster import RedisCluster
+        from redis.sentinel import Sentinel
+
+        target = self._target
+        kwargs = self._connection_kwargs()
+        if target.mode == "sentinel":
+            sentinel_kwargs = dict(kwargs, ssl=target.ssl)
+            sentinel_cls: Any = Sentinel  # redis-py leaves Sentinel untyped
+            sentinel = sentinel_cls(list(target.sentinels), sentinel_kwargs=sentinel_kwargs)
+            return sentinel.master_for(
+                target.service,
+                db=target.db,
+                username=target.username,
+                password=target.password or self._password,
+                ssl=target.ssl,
+                **kwargs,
+            )
+        if self._password is not None:
+            kwargs["password"] = self._password  # the URL's password, if any, wins
+        if target.mode == "cluster":
+            kwargs.pop("health_check_interval")
+            return RedisCluster.from_url(target.url, **kwargs)
+        pool = redis.ConnectionPool.from_url(target.url, **kwargs)
+        return redis.Redis(connection_pool=pool)
+
+    def _client(self) -> Any:
+        with self._client_lock:
+            if self._client_obj is None:
+                self._client_obj = self._make_client()
+            return self._client_obj
+
+    def _drop_connections(self, client: Any) -> None:
+        """After a network failure: forget idle connections (stale once the server restarts)."""
+        from redis.cluster import RedisCluster
+
+        try:
+            if isinstance(client, RedisCluster):
+                with self._client_lock:
+                    if self._client_obj is client:
+                        self._client_obj = None
+                client.close()  # rediscover the topology next time
+            else:
+                client.connection_pool.disconnect(inuse_connections=False)
+        except Exception:  # pragma: no cover - best effort
+            logger.debug("lmcache remote tier: dropping connections failed", exc_info=True)
+
+    def _run(self, op: Callable[[Any], _T]) -> _T:
+        """Run ``op(client)`` through the circuit breaker.
+
+        Raises:
+            _Unavailable: the breaker is open.
+            Exception: whatever ``op`` raised (network failures are counted by the breaker).
+        """
+        from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+
+        trial = self._breaker.admit()
+        client: Any = None
+        try:
+            client = self._client()
+            result = op(client)
+        except (
+            RedisConnectionError,
+            RedisTimeoutError,
+            RedisClusterException,
+            ClusterDownError,
+            OSError,
+        ) as exc:
+            self._breaker.record(False, trial, exc)
+            if client is not None:
+                self._drop_connections(client)
+            raise
+        except RedisError:
+            self._breaker.record(True, trial)  # the server answered (e.g. OOM): it is reachable
+            raise
+        except BaseException:
+            self._breaker.record(None, trial)
+            raise
+        self._breaker.record(True, trial)
+        return result
+
+    def _name(self, fingerprint: bytes, key: bytes) -> bytes:
+        return f"{self._namespace}:{fingerprint.hex()}:{key.hex()}".encode("ascii")
+
+    # ------------------------------------------------------------------ primitives
+
+    def _exists(self, fingerprint: bytes, keys: Sequence[bytes]) -> list[bool]:
+        names = [self._name(fingerprint, k) for k in keys]
+
+        def op(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(name)
+            return list(pipe.execute())
+
+        return [bool(n) for n in self._run(op)]
+
+    def _read_groups(self, requests: Sequence[ReadRequest]) -> list[tuple[int, int]]:
+        groups: list[tuple[int, int]] = []
+        start, size = 0, 0
+        for i, request in enumerate(requests):
+            nbytes = HEADER_BYTES + request.out.numel() * request.out.element_size()
+            if i > start and size + nbytes > self.read_group_bytes:
+                groups.append((start, i))
+                start, size = i, 0
+            size += nbytes
+        groups.append((start, len(requests)))
+        return groups
+
+    def _read_into(
+        self, fingerprint: bytes, requests: Sequence[ReadRequest]
+    ) -> list[bool | CorruptChunk]:
+        names = [self._name(fingerprint, r.key) for r in requests]
+        results: list[bool | CorruptChunk] = [False] * len(requests)
+        for start, stop in self._read_groups(requests):
+
+            def op(client: Any, group: list[bytes] = names[start:stop]) -> list[Any]:
+                pipe = client.pipeline(transaction=False)
+                for name in group:
+                    pipe.get(name)
+                return list(pipe.execute())
+
+            values = self._run(op)
+            for i, value in enumerate(values, start):
+                outcome = self._decode_into(fingerprint, requests[i], value)
+                results[i] = outcome
+                if outcome is not True:
+                    return results
+            del values
+        return results
+
+    @staticmethod
+    def _decode_into(fingerprint: bytes, request: ReadRequest, value: Any) -> bool | CorruptChunk:
+        if value is None:
+            return False
+        out = request.out
+        shape = tuple(out.shape)
+        if len(shape) != 3:
+            raise ValueError(f"read buffer has shape {shape}, expected 3 dimensions")
+        dst = _byte_view(out)
+        try:
+            if not isinstance(value, bytes):
+                raise CorruptChunk(f"value is a {type(value).__name__}, expected bytes")
+            data = memoryview(value)
+            header = ChunkHeader.decode(data[:HEADER_BYTES])
+
+            def verify(payload: torch.Tensor | None) -> None:
+                verify_chunk(
+                    header,
+                    payload,
+                    key=request.key,
+                    fingerprint=fingerprint,
+                    shape=(shape[0], shape[1], shape[2]),
+                    dtype=out.dtype,
+                )
+
+            verify(None)  # header fields first: never copy a value of another shape
+            if data[_HEADER_FIELDS_END:HEADER_BYTES] != _ZERO_PADDING:
+                raise CorruptChunk("header padding is not zero")
+            if len(data) != HEADER_BYTES + header.nbytes:
+                raise CorruptChunk(
+                    f"value is {len(data)} bytes, expected {HEADER_BYTES} + {header.nbytes}"
+                )
+            dst[:] = data[HEADER_BYTES:]
+            verify(out)  # payload checksum, over the bytes as they now lie in the buffer
+        except CorruptChunk as exc:
+            return exc
+        return True
+
+    def _write(self, fingerprint: bytes, key: bytes, header: bytes, payload: memoryview) -> None:
+        name = self._name(fingerprint, key)
+        args: list[bytes] = [b"SET", name]
+        tail: list[bytes] = []
+        if self._ttl_ms is not None:
+            tail = [b"PX", str(self._ttl_ms).encode("ascii")]
+        nbytes = len(header) + payload.nbytes
+        pieces = [b"*%d\r\n" % (len(args) + 1 + len(tail))]
+        pieces += [b"$%d\r\n%s\r\n" % (len(a), a) for a in args]
+        parts: list[bytes | memoryview] = [
+            b"".join([*pieces, b"$%d\r\n" % nbytes]),
+            header,
+            payload,
+            b"".join([b"\r\n", *(b"$%d\r\n%s\r\n" % (len(a), a) for a in tail)]),
+        ]
+
+        def op(client: Any) -> None:
+            from redis.cluster import RedisCluster
+            from redis.exceptions import ResponseError
+
+            if isinstance(client, RedisCluster):
+                cluster: Any = client  # partly untyped in redis-py
+                pool = cluster.get_redis_connection(cluster.get_node_from_key(name)).connection_pool
+                try:
+                    _send(pool, parts)
+                except ResponseError as exc:
+                    if not str(exc).startswith(("MOVED", "ASK")):
+                        raise
+                    # The slot moved: let redis-py follow the redirect and refresh its map.
+                    value = b"".join([header, payload])
+                    client.set(name, value, px=self._ttl_ms)
+                return
+            _send(client.connection_pool, parts)
+
+        self._run(op)
+
+    def _delete(self, fingerprint: bytes, key: bytes) -> None:
+        name = self._name(fingerprint, key)
+        self._run(lambda client: client.unlink(name))
+
+    def _clear(self, fingerprint: bytes | None) -> None:
+        middle = "*" if fingerprint is None else fingerprint.hex() + ":*"
+        pattern = f"{self._namespace}:{middle}"
+
+        def op(client: Any) -> None:
+            from redis.cluster import RedisCluster
+
+            if isinstance(client, RedisCluster):
+                cluster: Any = client  # partly untyped in redis-py
+                nodes = [cluster.get_redis_connection(n) for n in cluster.get_primaries()]
+            else:
+                nodes = [client]
+            for node in nodes:
+                batch: list[bytes] = []
+                for name in node.scan_iter(match=pattern, count=_SCAN_COUNT):
+                    batch.append(name)
+                    if len(batch) >= _SCAN_COUNT:
+                        _unlink(node, batch)
+                        batch = []
+                if batch:
+                    _unlink(node, batch)
+
+        self._run(op)
+
+    def _close(self) -> None:
+        with self._client_lock:
+            client, self._client_obj = self._client_obj, None
+        if client is None:
+            return
+        from redis.cluster import RedisCluster
+
+        if isinstance(client, RedisCluster):
+            client.close()
+        else:
+            client.connection_pool.disconnect()
+
+    @property
+    def breaker_open(self) -> bool:
+        """Whether the circuit breaker is open (operations are misses without network)."""
+        return self._breaker.is_open
+
+    @property
+    def url(self) -> str:
+        """The URL with its password masked."""
+        return self._masked
+
+
+def _unlink(node: redis.Redis, names: list[bytes]) -> None:
+    """``UNLINK`` each name, one pipelined round trip (one key per command: cluster-safe)."""
+    pipe = node.pipeline(transaction=False)
+    for name in names:
+        pipe.unlink(name)
+    pipe.execute()
+
+
+def _send(pool: Any, parts: Sequence[bytes | memoryview]) -> None:
+    """Send one packed command from ``parts`` as they are (no concatenation) and check the reply.
+
+    Raises:
+        redis.exceptions.RedisError: an error reply, a timeout or a lost connection (the
+            connection is then dropped, not returned to the pool in an unknown state).
+    """
+    conn = pool.get_connection("SET") if _OLD_REDIS_PY else pool.get_connection()
+    try:
+        conn.send_packed_command(parts, check_health=False)
+        conn.read_response()
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
