@@ -2,8 +2,8 @@
 """lmcache: a KV-cache layer for LLM serving engines.
 
 Serving engines (vLLM, SGLang) keep each request's attention KV in paged device memory and drop it
-when the request ends. lmcache saves that KV in chunks to a host memory pool (and, later, local disk
-or a shared Redis/Valkey) and loads it back into the engine's pages when a later request starts with
+when the request ends. lmcache saves that KV in chunks to a host memory pool, a local disk folder
+and a shared Redis/Valkey server, and loads it back into the engine's pages when a later request starts with
 the same tokens, so the engine skips that prefill.
 
 Public entry points (imported lazily; ``import lmcache`` never imports an engine):
@@ -14,8 +14,8 @@ Public entry points (imported lazily; ``import lmcache`` never imports an engine
   ``retrieve``) and :class:`lmcache.held_hit.HeldHit` (a leased lookup hit)
 - :func:`lmcache.gpu_connector.CreateGPUConnector` and the connector interface
 - :mod:`lmcache.keys` (chunk keys), :mod:`lmcache.memory` (host pool and leases),
-  :mod:`lmcache.tiers` (storage tiers), :mod:`lmcache.metrics` (Prometheus metrics)
-- :mod:`lmcache.testing` (a conformance suite for connectors)
+  :mod:`lmcache.tiers` (CPU, disk and Redis/Valkey tiers), :mod:`lmcache.metrics` (Prometheus metrics)
+- :mod:`lmcache.testing` (a conformance suite for connectors, real ``redis-server`` fixtures)
 
 Engine adapters are separate distributions: ``pip install "lmcache-core[vllm]"``.
 

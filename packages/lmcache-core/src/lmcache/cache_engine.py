@@ -5,7 +5,20 @@ A request's tokens are cut into chunks of ``chunk_size`` tokens (the last may be
 keyed by :func:`lmcache.keys.chunk_keys` (a hash chained over every earlier chunk, seeded with the
 model fingerprint and the cache salt; ``extra_keys`` mixes per-chunk material such as multimodal
 item hashes into the chain). Chunks live in the :class:`~lmcache.tiers.CPUTier` as host buffers
-``[num_layers, chunk_tokens, kv_width]``, recorded with this engine's fingerprint as their owner.
+``[num_layers, chunk_tokens, kv_width]``, recorded with this engine's fingerprint as their owner,
+and, when configured, in the tiers below it (``local_disk``, ``remote_url``:
+:class:`~lmcache.tiers.LowerTier`).
+
+Tiers cascade CPU -> disk -> remote:
+
+- A lookup returns the longest prefix of chunks present in any tier. ``lookup_and_lease`` and
+  ``retrieve`` read the chunks found only below the CPU tier into host buffers (one batched read
+  per tier and run of chunks), verify them (header, key, model fingerprint, geometry, checksum),
+  promote them into the CPU tier and lease them: a hit is promised only once its bytes are in
+  host memory. A chunk that fails to read or verify ends the hit there.
+- A store writes the CPU tier, then queues the chunks for every lower tier (write-through,
+  asynchronous; a full queue drops the write and counts ``dropped_writes``).
+- With ``local_cpu`` false the host pool only stages these transfers: nothing is kept in it.
 
 Semantics (LMCache's):
 
@@ -50,7 +63,8 @@ from lmcache.layerwise import LayerwiseRetrieve, LayerwiseStore, Pending, Staged
 from lmcache.memory import HostMemoryPool, LeaseError, MemoryLease
 from lmcache.metrics import LMCacheMetrics
 from lmcache.request_plan import ExtraKeys, RequestPlan, Tokens, plan_request
-from lmcache.tiers import CPUTier
+from lmcache.tiers import CPUTier, LowerTier, ReadRequest, process_lower_tiers
+from lmcache.tiers.chunk_format import fingerprint_digest
 
 if TYPE_CHECKING:
     from lmcache.config import LMCacheConfig
@@ -85,10 +99,15 @@ class LMCacheEngine:
             across the engines of a process. ``None`` builds a private pool and tier sized by
             ``config.max_local_cpu_size``. A shared tier is not emptied by :meth:`close`, and
             :meth:`clear` drops only this engine's chunks from it.
+        lower_tiers: The disk / remote tiers below the CPU one, in lookup order. ``None`` takes
+            the process-wide ones ``config`` names (``local_disk``, ``remote_url``:
+            :func:`lmcache.tiers.process_lower_tiers`); ``()`` uses none.
 
     Raises:
         ValueError: ``config.chunk_size`` differs from ``metadata.chunk_size``, or the connector's
             geometry differs from ``metadata``.
+        lmcache.config.ConfigError: a lower tier cannot be used (unwritable folder, malformed
+            URL, a disk budget below one chunk).
     """
 
     def __init__(
@@ -99,6 +118,7 @@ class LMCacheEngine:
         *,
         metrics: LMCacheMetrics | None = None,
         tier: CPUTier | None = None,
+        lower_tiers: Sequence[LowerTier] | None = None,
     ) -> None:
         if config.chunk_size != metadata.chunk_size:
             raise ValueError(
@@ -110,20 +130,33 @@ class LMCacheEngine:
         self.metadata = metadata
         self.chunk_size = config.chunk_size
         self.metrics = metrics if metrics is not None else LMCacheMetrics()
+        self.lower_tiers: list[LowerTier] = list(
+            process_lower_tiers(config) if lower_tiers is None else lower_tiers
+        )
         self._owns_tier = tier is None
         if tier is None:
+            staging = config.local_cpu or bool(self.lower_tiers)
             tier = CPUTier(
-                HostMemoryPool(config.max_local_cpu_bytes if config.local_cpu else 0), self.metrics
+                HostMemoryPool(config.max_local_cpu_bytes if staging else 0), self.metrics
             )
         self.tier = tier
         self.pool = tier.pool
         self._fingerprint = metadata.fingerprint()
+        self._fp_digest = fingerprint_digest(self._fingerprint)
         self._closed = False
         self._close_lock = threading.Lock()
+        full_chunk = self._chunk_shape(self.chunk_size)
+        self._chunk_bytes = (
+            full_chunk[0] * full_chunk[1] * full_chunk[2] * metadata.kv_dtype.itemsize
+        )
+        for lower in self.lower_tiers:
+            check_quota = getattr(lower, "check_quota", None)
+            if check_quota is not None:
+                check_quota(self._chunk_bytes)
         self.gpu_connector: GPUConnectorInterface | None = None
         if gpu_connector is not None:
             self.set_gpu_connector(gpu_connector)
-        if not config.local_cpu:
+        if not config.local_cpu and not self.lower_tiers:
             logger.info("LMCacheEngine: local_cpu=False and no other tier: nothing is stored.")
 
     # ------------------------------------------------------------------ setup
@@ -196,11 +229,118 @@ class LMCacheEngine:
         logger.warning("CPU tier failed to %s (%r); treating it as a miss.", action, exc)
 
     def _present(self, key: bytes) -> bool:
+        """Whether the CPU tier holds ``key`` (errors count as absent)."""
         try:
             return self.tier.contains(key)
         except Exception as exc:
             self._tier_error("look up a chunk", exc)
             return False
+
+    def _lower_presence(self, keys: Sequence[bytes]) -> list[list[bool]]:
+        """For each lower tier, whether it holds each of ``keys`` (one batched call per tier)."""
+        return [t.contains(self._fp_digest, keys, self.metrics) for t in self.lower_tiers]
+
+    def _stored_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` some tier holds (CPU first, then the lower tiers)."""
+        found = 0
+        while found < len(keys) and self._present(keys[found]):
+            found += 1
+        if found == len(keys) or not self.lower_tiers:
+            return found
+        rest = keys[found:]
+        below = self._lower_presence(rest)
+        for i, key in enumerate(rest):
+            if not (any(p[i] for p in below) or (i and self._present(key))):
+                return found + i
+        return len(keys)
+
+    def _fetch_lower(
+        self, tier: LowerTier, keys: Sequence[bytes], ranges: Sequence[tuple[int, int]]
+    ) -> list[MemoryLease]:
+        """Read a run of chunks from a lower tier into host buffers, verified and promoted.
+
+        Returns leases on the leading chunks that were read and verified (the caller releases
+        them); with ``local_cpu`` they are also put into the CPU tier.
+        """
+        leases: list[MemoryLease] = []
+        for start, end in ranges:
+            try:
+                lease = self.tier.allocate(
+                    self._chunk_shape(end - start), self.metadata.kv_dtype, metrics=self.metrics
+                )
+            except Exception as exc:
+                self._tier_error("allocate", exc)
+                lease = None
+            if lease is None:
+                self.metrics.failed_allocations.inc()
+                break
+            leases.append(lease)
+        requests = [ReadRequest(k, lease.tensor) for k, lease in zip(keys, leases, strict=False)]
+        done = tier.read_into(self._fp_digest, requests, self.metrics)
+        for lease in leases[done:]:
+            lease.release()
+        leases = leases[:done]
+        if self.config.local_cpu and leases:
+            checksums: list[int | None] = [None] * len(leases)
+            if self.config.checksum:
+                checksums = list(self.tier.checksums([lease.tensor for lease in leases]))
+            for key, lease, checksum in zip(keys, leases, checksums, strict=False):
+                try:
+                    self.tier.put(key, lease, checksum, owner=self._fingerprint)
+                except Exception as exc:
+                    self._tier_error("promote a chunk", exc)
+                    break
+        return leases
+
+    def _hit_run(
+        self, plan: RequestPlan, first: int, held: HeldHit | None = None
+    ) -> list[tuple[bytes, MemoryLease]]:
+        """Leases on the longest run of stored chunks from chunk ``first`` on, in any tier.
+
+        Chunks in ``held`` get a share of its lease; CPU-tier chunks are verified by the tier;
+        runs of chunks found only below it are read, verified and promoted
+        (:meth:`_fetch_lower`). The caller releases the leases.
+        """
+        out: list[tuple[bytes, MemoryLease]] = []
+        keys, ranges = plan.keys, plan.ranges
+        below: list[list[bool]] | None = None
+        base = first
+        try:
+            i = first
+            while i < len(keys):
+                key = keys[i]
+                start, end = ranges[i]
+                lease = held.share(key) if held is not None else None
+                if lease is not None:
+                    lease = self._check_shape(key, lease, end - start)
+                else:
+                    lease = self._get(key, start, end)
+                if lease is not None:
+                    out.append((key, lease))
+                    i += 1
+                    continue
+                if not self.lower_tiers:
+                    break
+                if below is None:
+                    base, below = i, self._lower_presence(keys[i:])
+                source = next((t for t, p in enumerate(below) if p[i - base]), None)
+                if source is None:
+                    break
+                run = i + 1
+                while (
+                    run < len(keys) and below[source][run - base] and not self._present(keys[run])
+                ):
+                    run += 1
+                leases = self._fetch_lower(self.lower_tiers[source], keys[i:run], ranges[i:run])
+                out.extend(zip(keys[i:run], leases, strict=False))
+                if len(leases) < run - i:
+                    break
+                i = run
+        except BaseException:
+            for _, lease in out:
+                lease.release()
+            raise
+        return out
 
     def _touch(self, chain: Sequence[bytes]) -> None:
         """Mark a run of one key chain used, earlier chunks more recent (kept longer)."""
@@ -235,15 +375,19 @@ class LMCacheEngine:
     def _allocate_store(self, plan: RequestPlan) -> list[Pending]:
         """Lease buffers for the chunks a store saves (leading ones only when memory is short)."""
         pending: list[Pending] = []
-        if not self.config.local_cpu:
+        if not self.config.local_cpu and not self.lower_tiers:
             return pending
         todo = []
         for i in range(plan.first_chunk, len(plan.keys)):
             start, end = plan.ranges[i]
             if end - start < self.chunk_size and not self.config.save_unfull_chunk:
                 continue  # trailing partial chunk
-            if not self._present(plan.keys[i]):
+            if not self.config.local_cpu or not self._present(plan.keys[i]):
                 todo.append(i)
+        if not self.config.local_cpu and todo:
+            # Staging only: skip the chunks every lower tier holds already.
+            below = self._lower_presence([plan.keys[i] for i in todo])
+            todo = [i for n, i in enumerate(todo) if not all(p[n] for p in below)]
         self._touch(plan.keys)  # this chain's present chunks are the last to be evicted
         for i in todo:
             start, end = plan.ranges[i]
@@ -274,15 +418,20 @@ class LMCacheEngine:
         checksums: list[int | None] = [None] * len(pending)
         if self.config.checksum:
             checksums = list(self.tier.checksums([p.lease.tensor for p in pending]))
+        committed: list[tuple[bytes, MemoryLease, int | None]] = []
         for p, checksum in zip(pending, checksums, strict=True):
-            try:
-                self.tier.put(p.key, p.lease, checksum, owner=self._fingerprint)
-            except Exception as exc:
-                self._tier_error("store a chunk", exc)
-                break
+            if self.config.local_cpu:
+                try:
+                    self.tier.put(p.key, p.lease, checksum, owner=self._fingerprint)
+                except Exception as exc:
+                    self._tier_error("store a chunk", exc)
+                    break
+            committed.append((p.key, p.lease, checksum))
             stored_tokens += p.chunk.num_tokens
             stored_bytes += p.lease.nbytes
             self.metrics.stored_chunks.inc()
+        for lower in self.lower_tiers:  # write-through, queued (never blocks)
+            lower.submit_chain(self._fp_digest, committed, self.metrics)
         self._touch(chain)
         self.metrics.stored_bytes.inc(stored_bytes)
         self.metrics.store_seconds.observe(time.perf_counter() - started)
@@ -294,22 +443,11 @@ class LMCacheEngine:
         Chunks in ``held`` get a share of its lease (verified at ``lookup_and_lease``, not
         hashed again); the others come from the tier, verified.
         """
-        pending: list[Pending] = []
-        try:
-            for i in range(plan.first_chunk, len(plan.keys)):
-                key = plan.keys[i]
-                start, end = plan.ranges[i]
-                lease = held.share(key) if held is not None else None
-                if lease is not None:
-                    lease = self._check_shape(key, lease, end - start)
-                else:
-                    lease = self._get(key, start, end)
-                if lease is None:
-                    break
-                pending.append(Pending(key, ChunkTransfer(start, end, lease.tensor), lease))
-        except BaseException:  # e.g. ``held`` released meanwhile: give back what we took
-            release_all(pending)
-            raise
+        run = self._hit_run(plan, plan.first_chunk, held)
+        pending = [
+            Pending(key, ChunkTransfer(*plan.ranges[plan.first_chunk + n], lease.tensor), lease)
+            for n, (key, lease) in enumerate(run)
+        ]
         self._touch(plan.keys[: plan.first_chunk + len(pending)])
         return pending
 
@@ -351,11 +489,7 @@ class LMCacheEngine:
         if self._closed:
             raise RuntimeError("LMCacheEngine.lookup: the engine is closed.")
         plan = self._plan(tokens, None, None, salt, extra_keys)
-        found = 0
-        for key in plan.keys:
-            if not self._present(key):
-                break
-            found += 1
+        found = self._stored_prefix(plan.keys)
         self._touch(plan.keys[:found])
         return self._count_lookup(plan, found)
 
@@ -385,17 +519,7 @@ class LMCacheEngine:
         if self._closed:
             raise RuntimeError("LMCacheEngine.lookup_and_lease: the engine is closed.")
         plan = self._plan(tokens, None, None, salt, extra_keys)
-        chunks: list[tuple[bytes, MemoryLease]] = []
-        try:
-            for key, (start, end) in zip(plan.keys, plan.ranges, strict=True):
-                lease = self._get(key, start, end)
-                if lease is None:
-                    break
-                chunks.append((key, lease))
-        except BaseException:
-            for _, lease in chunks:
-                lease.release()
-            raise
+        chunks = self._hit_run(plan, 0)
         self._touch(plan.keys[: len(chunks)])
         return HeldHit(chunks, self._count_lookup(plan, len(chunks)))
 
@@ -575,16 +699,25 @@ class LMCacheEngine:
         other fingerprints (other models, geometry or ranks) stay. Engines with the same
         fingerprint share their chunks (same keys), so those go too. Leases held on the bytes
         (a :class:`~lmcache.held_hit.HeldHit`, a retrieve in flight) stay valid.
+
+        The lower tiers drop this fingerprint's entries too (after their queued writes land),
+        including those other processes of the same model stored on a shared disk folder or
+        Redis namespace: after a weight update, none of them is valid any more.
         """
         self.tier.clear(owner=self._fingerprint)
+        for lower in self.lower_tiers:
+            lower.clear(self._fp_digest, self.metrics)
 
     def close(self) -> None:
-        """Drop every chunk of a private tier, close the connector; later calls raise."""
+        """Drop every chunk of a private CPU tier, wait (up to 10 s) for queued disk/remote
+        writes, close the connector; later calls raise. Lower tiers stay open (process-wide)."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
         if self._owns_tier:
             self.tier.clear()
+        for lower in self.lower_tiers:
+            lower.flush(10.0)  # so what this engine stored survives a restart
         if self.gpu_connector is not None:
             self.gpu_connector.close()

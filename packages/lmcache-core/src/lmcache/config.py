@@ -28,6 +28,7 @@ import difflib
 import logging
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -66,6 +67,7 @@ NON_CONFIG_ENV_VARS: frozenset[str] = frozenset(
         "LMCACHE_REQUIRE_CEXT",
         "LMCACHE_DISABLE_CEXT",
         "LMCACHE_LOG_LEVEL",
+        "LMCACHE_REMOTE_PASSWORD",
     }
 )
 """``LMCACHE_*`` environment variables that belong to lmcache but are not config keys."""
@@ -94,13 +96,26 @@ class LMCacheConfig:
     ``local_cpu`` is true."""
 
     local_disk: str | None = None
-    """Directory of the local disk tier, or ``None`` for no disk tier. Not implemented yet."""
+    """Folder of the local disk tier (``/path`` or ``file:///path``), or ``None`` for none.
+    Chunks there survive an engine restart."""
 
     max_local_disk_size: float = 0.0
-    """Byte budget of the local disk tier, in GB (GiB)."""
+    """Byte budget of the local disk tier, in GB (GiB). Must hold at least one chunk when
+    ``local_disk`` is set."""
 
     remote_url: str | None = None
-    """URL of the shared remote tier (``redis://host:6379``), or ``None``. Not implemented yet."""
+    """URL of the shared remote tier, or ``None``: ``redis://[user:password@]host:port/db``,
+    ``rediss://`` (TLS), ``valkey://``, ``valkeys://``, ``redis+cluster://``,
+    ``redis+sentinel://`` (see :mod:`lmcache.tiers.redis_tier`)."""
+
+    remote_namespace: str = "lmcache"
+    """Prefix of every key lmcache writes to the remote tier (letters, digits, ``_.-``)."""
+
+    remote_timeout: float = 1.0
+    """Seconds one remote operation may take before it counts as a miss. Must be > 0."""
+
+    remote_ttl: float = 0.0
+    """Seconds a remote entry lives (Redis ``PX``); 0 keeps entries until evicted by Redis."""
 
     use_layerwise: bool = False
     """Store and load KV layer by layer, overlapping transfers with the forward pass."""
@@ -133,6 +148,15 @@ class LMCacheConfig:
         """Byte budget of the CPU tier: ``int(max_local_cpu_size * 1024**3)``."""
         return int(self.max_local_cpu_size * 1024**3)
 
+    def __repr__(self) -> str:
+        fields = ", ".join(
+            f"{f.name}={v!r}"
+            for f in dataclasses.fields(self)
+            for v in (getattr(self, f.name),)
+            for v in ((_mask_url(v) if f.name == "remote_url" and v else v),)
+        )
+        return f"LMCacheConfig({fields})"
+
     def to_dict(self) -> dict[str, Any]:
         """Every field as ``{key: value}``; ``load_config(overrides=cfg.to_dict())`` round-trips."""
         return dataclasses.asdict(self)
@@ -158,7 +182,7 @@ def load_config(
 
     Raises:
         ConfigError: A key is unknown, a value has the wrong type or a bad value, the file is
-            missing or malformed, or a requested tier is not implemented in this version.
+            missing or malformed.
     """
     environ: Mapping[str, str] = os.environ if env is None else env
     values: dict[str, Any] = {}
@@ -236,14 +260,19 @@ _LEGACY_NOOP_KEYS: dict[str, tuple[type, tuple[Any, ...], str]] = {
     "use_experimental": (str, (), "lmcache has a single implementation"),
     "enable_blending": (bool, (False,), "KV blending is not supported; false is the default"),
     "track_usage": (bool, (False,), "lmcache sends no usage data"),
+    "remote_serde": (str, (), "chunks are stored raw behind a checksummed header"),
 }
 """Keys of the original LMCache config that are accepted and ignored (with a warning)."""
 
-_UNIMPLEMENTED_TIERS: dict[str, str] = {
-    "local_disk": "the local disk tier",
-    "remote_url": "the remote (Redis/Valkey) tier",
-}
-"""Tier keys the loader parses but this version cannot serve; delete an entry to enable a tier."""
+REMOTE_SCHEMES: frozenset[str] = frozenset(
+    {"unix"}
+    | {
+        base + variant
+        for base in ("redis", "rediss", "valkey", "valkeys")
+        for variant in ("", "+cluster", "+sentinel")
+    }
+)
+"""URL schemes ``remote_url`` accepts (Redis and Valkey, single server, cluster, sentinel)."""
 
 
 def _env_name(key: str) -> str:
@@ -390,18 +419,51 @@ def _check_value(key: str, value: Any, source: str) -> None:
         raise _error(key, source, "a directory path, or null", value, "Give a path or unset it.")
     if key == "remote_url" and value is not None:
         parts = urlsplit(value)
-        if not parts.scheme or "://" not in value or not parts.netloc:
+        masked = _mask_url(value)
+        if not parts.scheme or "://" not in value or not (parts.netloc or parts.path):
             raise _error(
                 key,
                 source,
                 "a URL with a scheme and host, e.g. 'redis://localhost:6379'",
-                value,
+                masked,
                 "Add the scheme (redis://, valkey://, ...) or unset it.",
             )
+        if parts.scheme.lower() not in REMOTE_SCHEMES:
+            raise _error(
+                key,
+                source,
+                f"a Redis/Valkey URL, scheme one of {sorted(REMOTE_SCHEMES)}",
+                masked,
+                "lmcache's remote tier is Redis or Valkey; point it at one (redis://host:6379).",
+            )
+        from lmcache.tiers.redis_url import parse_remote_url
+
+        try:
+            parse_remote_url(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (from {source})") from None
+    if key == "remote_namespace" and not _NAMESPACE.fullmatch(value):
+        raise _error(
+            key, source, "1-64 letters, digits, '_', '.' or '-'", value, "Use e.g. 'lmcache'."
+        )
+    if key == "remote_timeout" and not (math.isfinite(value) and value > 0):
+        raise _error(key, source, "a number of seconds > 0", value, "Use e.g. 1.0.")
+    if key == "remote_ttl" and not (math.isfinite(value) and value >= 0):
+        raise _error(key, source, "a number of seconds >= 0 (0: no expiry)", value, "Use 0.")
+
+
+_NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+def _mask_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for messages and logs)."""
+    from lmcache.tiers.redis_url import mask_url
+
+    return mask_url(url)
 
 
 def _check_combination(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
-    """Checks across keys, and the tiers this version does not implement."""
+    """Checks across keys."""
     if values["local_cpu"] and values["max_local_cpu_size"] <= 0:
         raise _error(
             "max_local_cpu_size",
@@ -410,15 +472,24 @@ def _check_combination(values: Mapping[str, Any], sources: Mapping[str, str]) ->
             values["max_local_cpu_size"],
             "Give the CPU tier a budget such as 5.0, or set local_cpu to false.",
         )
-    for key, tier in _UNIMPLEMENTED_TIERS.items():
-        if values[key] is not None:
-            raise _error(
-                key,
-                sources[key],
-                f"null: {tier} is not implemented in this version of lmcache",
-                values[key],
-                f"Remove {key!r} (or set it to null); only the local CPU tier stores chunks.",
-            )
+    if values["local_disk"] is not None and values["max_local_disk_size"] <= 0:
+        raise _error(
+            "max_local_disk_size",
+            sources["max_local_disk_size"],
+            f"a size > 0 GB while local_disk is set (local_disk from {sources['local_disk']})",
+            values["max_local_disk_size"],
+            "Give the disk tier a budget such as 50.0, or unset local_disk.",
+        )
+    lower = values["local_disk"] is not None or values["remote_url"] is not None
+    if not values["local_cpu"] and lower and values["max_local_cpu_size"] <= 0:
+        raise _error(
+            "max_local_cpu_size",
+            sources["max_local_cpu_size"],
+            "a size > 0 GB: with local_cpu false it sizes the host buffers that stage transfers "
+            "to and from the disk or remote tier",
+            values["max_local_cpu_size"],
+            "Use e.g. 2.0.",
+        )
 
 
 def _read_yaml(file_path: str, source: str) -> dict[Any, Any]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,9 @@ DEFAULTS = {
     "local_disk": None,
     "max_local_disk_size": 0.0,
     "remote_url": None,
+    "remote_namespace": "lmcache",
+    "remote_timeout": 1.0,
+    "remote_ttl": 0.0,
     "use_layerwise": False,
     "save_decode_cache": False,
     "save_unfull_chunk": False,
@@ -257,6 +259,12 @@ def test_bad_env_value(name: str, text: str, expected: str) -> None:
         ({"remote_url": "localhost:6379"}, "remote_url", "a URL with a scheme"),
         ({"remote_url": "redis:6379"}, "remote_url", "a URL with a scheme"),
         ({"local_disk": "  "}, "local_disk", "a directory path"),
+        ({"remote_url": "lm://localhost:65432"}, "remote_url", "a Redis/Valkey URL"),
+        ({"remote_url": "mooncakestore://h:1"}, "remote_url", "a Redis/Valkey URL"),
+        ({"remote_namespace": "a b"}, "remote_namespace", "1-64 letters"),
+        ({"remote_namespace": ""}, "remote_namespace", "1-64 letters"),
+        ({"remote_timeout": 0}, "remote_timeout", "a number of seconds > 0"),
+        ({"remote_ttl": -1}, "remote_ttl", "a number of seconds >= 0"),
         ({"max_local_cpu_size": 0}, "max_local_cpu_size", "a size > 0 GB while local_cpu"),
     ],
 )
@@ -274,26 +282,51 @@ def test_cpu_tier_off_allows_zero_budget() -> None:
 
 
 @pytest.mark.parametrize(
-    ("key", "value", "tier"),
+    ("key", "value"),
     [
-        ("local_disk", "/tmp/lmcache", "local disk tier"),
-        ("remote_url", "redis://localhost:6379", "remote (Redis/Valkey) tier"),
+        ("local_disk", "/tmp/lmcache"),
+        ("local_disk", "file:///tmp/lmcache"),
+        ("remote_url", "redis://localhost:6379"),
+        ("remote_url", "rediss://user:pw@h:6380/2"),
+        ("remote_url", "valkey://h:6379"),
+        ("remote_url", "redis+cluster://h:7000"),
     ],
 )
-def test_unimplemented_tiers(tmp_path: Path, key: str, value: str, tier: str) -> None:
-    for kwargs in (
-        {"overrides": {key: value}, "env": {}},
-        {"env": {f"LMCACHE_{key.upper()}": value}},
-        {"path": write(tmp_path, f"{key}: {value}\n"), "env": {}},
+def test_tiers_from_every_source(tmp_path: Path, key: str, value: str) -> None:
+    extra = {"max_local_disk_size": 1.0}
+    for cfg in (
+        load_config(overrides={key: value, **extra}, env={}),
+        load_config(env={f"LMCACHE_{key.upper()}": value, "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}),
+        load_config(path=write(tmp_path, f"{key}: {value}\nmax_local_disk_size: 1.0\n"), env={}),
     ):
-        with pytest.raises(
-            ConfigError, match=rf"'{key}'.*{re.escape(tier)} is not implemented"
-        ) as info:
-            load_config(**kwargs)
-        assert value in str(info.value)
-    with pytest.raises(ConfigError, match="not implemented"):
-        direct: dict[str, Any] = {key: value}
-        LMCacheConfig(**direct)
+        assert getattr(cfg, key) == value
+
+
+def test_remote_password_never_in_messages_or_repr() -> None:
+    cfg = load_config(env={}, overrides={"remote_url": "redis://u:s3cret-pw@h:6379/0"})
+    assert "s3cret-pw" not in repr(cfg) and "redis://u:***@h:6379/0" in repr(cfg)
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, overrides={"remote_url": "memcached://u:s3cret-pw@h:1"})
+    assert "s3cret-pw" not in str(info.value) and "u:***@h" in str(info.value)
+
+
+def test_cpu_off_with_a_lower_tier_needs_a_staging_budget() -> None:
+    cfg = load_config(env={}, overrides={"local_cpu": False, "remote_url": "redis://h:1"})
+    assert cfg.max_local_cpu_bytes > 0
+    with pytest.raises(ConfigError, match="stage transfers"):
+        load_config(
+            env={},
+            overrides={"local_cpu": False, "remote_url": "redis://h:1", "max_local_cpu_size": 0},
+        )
+
+
+def test_disk_tier_needs_a_budget() -> None:
+    with pytest.raises(ConfigError, match=r"'max_local_disk_size' \(from defaults\).*local_disk"):
+        load_config(env={}, overrides={"local_disk": "/tmp/x"})
+
+
+def test_lmcache_remote_serde_is_accepted() -> None:
+    assert load_config(env={}, overrides={"remote_serde": "naive"}) == LMCacheConfig()
 
 
 def test_direct_construction_is_checked() -> None:

@@ -16,6 +16,7 @@ import lmcache.gpu_connector.reference
 import lmcache.gpu_connector.registry
 import lmcache.gpu_connector.utils
 import lmcache.testing
+import lmcache.tiers
 
 EXPECTED_GPU_CONNECTOR_ALL = [
     "ChunkTransfer",
@@ -105,7 +106,24 @@ def test_submodule_all_pinned() -> None:
         "is_pinned_memory_available",
         "need_gpu_interm_buffer",
     ]
-    assert lmcache.testing.__all__ == ["GPUConnectorConformance", "PagedCPUConnector"]
+    assert lmcache.testing.__all__ == [
+        "GPUConnectorConformance",
+        "PagedCPUConnector",
+        "RedisClusterServer",
+        "RedisSentinel",
+        "RedisServer",
+        "redis_server_path",
+    ]
+    assert sorted(lmcache.tiers.__all__) == [
+        "CHECKSUM_SLICE_BYTES",
+        "CPUTier",
+        "LowerTier",
+        "ReadRequest",
+        "process_cpu_tier",
+        "process_lower_tiers",
+        "reset_process_cpu_tiers",
+        "tensor_checksum",
+    ]
 
 
 def test_unknown_attribute_is_attribute_error() -> None:

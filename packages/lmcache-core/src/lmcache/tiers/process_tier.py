@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The process-wide CPU tier, shared by every cache engine of one process.
+"""The process-wide tiers, shared by every cache engine of one process.
 
 A serving process may build several engine instances over its life (a notebook re-creating
 ``vllm.LLM``, tests, an engine restarted in place). Host memory is a process resource, so engines
@@ -8,10 +8,15 @@ stored. Chunk keys carry the model/geometry/rank fingerprint and the salt, so en
 models never see each other's chunks. Each engine passes its own metrics and its fingerprint as
 the owner of what it stores, so its counts are its own and ``LMCacheEngine.clear()`` drops only
 its own chunks.
+
+The disk and remote tiers are process-wide too (:func:`process_lower_tiers`): one index per disk
+folder, one connection pool per Redis URL and namespace. They are closed at interpreter exit
+(queued writes get up to 10 s to land) or by :func:`reset_process_cpu_tiers`.
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
 from typing import TYPE_CHECKING
 
@@ -21,11 +26,13 @@ from lmcache.tiers.cpu_tier import CPUTier
 if TYPE_CHECKING:
     from lmcache.config import LMCacheConfig
     from lmcache.metrics import LMCacheMetrics
+    from lmcache.tiers.lower_tier import LowerTier
 
-__all__ = ["process_cpu_tier", "reset_process_cpu_tiers"]
+__all__ = ["process_cpu_tier", "process_lower_tiers", "reset_process_cpu_tiers"]
 
 _lock = threading.Lock()
 _tiers: dict[int, CPUTier] = {}
+_lower: dict[tuple[object, ...], LowerTier] = {}
 
 
 def process_cpu_tier(config: LMCacheConfig, metrics: LMCacheMetrics) -> CPUTier:
@@ -40,7 +47,9 @@ def process_cpu_tier(config: LMCacheConfig, metrics: LMCacheMetrics) -> CPUTier:
     Returns:
         The same :class:`CPUTier` for every caller with the same budget.
     """
-    budget = config.max_local_cpu_bytes if config.local_cpu else 0
+    lower = config.local_disk is not None or config.remote_url is not None
+    # With local_cpu off the pool only stages transfers to and from the lower tiers.
+    budget = config.max_local_cpu_bytes if config.local_cpu or lower else 0
     with _lock:
         tier = _tiers.get(budget)
         if tier is None:
@@ -49,10 +58,77 @@ def process_cpu_tier(config: LMCacheConfig, metrics: LMCacheMetrics) -> CPUTier:
         return tier
 
 
+def process_lower_tiers(config: LMCacheConfig) -> list[LowerTier]:
+    """The disk and remote tiers ``config`` names, in lookup order (disk, then remote).
+
+    Created on first use and shared by every caller naming the same folder and budget, or the
+    same URL and namespace.
+
+    Raises:
+        lmcache.config.ConfigError: an unusable folder or URL (an unreachable server is not an
+            error: the tier starts degraded and answers misses until the server is back).
+    """
+    wanted: list[tuple[object, ...]] = []
+    if config.local_disk is not None:
+        wanted.append(("disk", config.local_disk, config.max_local_disk_size))
+    if config.remote_url is not None:
+        wanted.append(
+            (
+                "remote",
+                config.remote_url,
+                config.remote_namespace,
+                config.remote_timeout,
+                config.remote_ttl,
+            )
+        )
+    out: list[LowerTier] = []
+    with _lock:
+        for spec in wanted:
+            tier = _lower.get(spec)
+            if tier is None:
+                tier = _build_lower(config, spec[0])
+                _lower[spec] = tier
+            out.append(tier)
+    return out
+
+
+def _build_lower(config: LMCacheConfig, kind: object) -> LowerTier:
+    if kind == "disk":
+        from lmcache.tiers.disk_tier import DiskTier
+
+        assert config.local_disk is not None
+        return DiskTier(config.local_disk, int(config.max_local_disk_size * 1024**3))
+    from lmcache.tiers.redis_tier import RedisTier
+
+    assert config.remote_url is not None
+    return RedisTier(
+        config.remote_url,
+        namespace=config.remote_namespace,
+        timeout=config.remote_timeout,
+        ttl=config.remote_ttl or None,
+    )
+
+
 def reset_process_cpu_tiers() -> None:
-    """Forget (and empty) every shared tier; for tests and for a process that resets lmcache."""
+    """Forget every shared tier: empty the CPU ones, close the disk and remote ones (their
+    entries stay); for tests and for a process that resets lmcache."""
     with _lock:
         tiers = list(_tiers.values())
         _tiers.clear()
+        lower = list(_lower.values())
+        _lower.clear()
     for tier in tiers:
         tier.clear()
+    for low in lower:
+        low.close()
+
+
+def _close_lower_at_exit() -> None:
+    with _lock:
+        lower = list(_lower.values())
+        _lower.clear()
+    for low in lower:
+        low.close()
+
+
+atexit.register(_close_lower_at_exit)
