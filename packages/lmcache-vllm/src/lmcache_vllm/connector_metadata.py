@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 __all__ = [
+    "ENGINE_COUNTERS",
     "LMCacheConnectorMetadata",
     "LoadSpec",
     "ReqMeta",
@@ -99,6 +100,17 @@ class Tracker:
     salt: str
     num_saved: int  # tokens known stored (chunk aligned)
     extra_keys: dict[int, bytes] = field(default_factory=dict)
+
+
+ENGINE_COUNTERS: tuple[str, ...] = (
+    "checksum_failures",
+    "tier_errors",
+    "disk_hit_chunks",
+    "remote_hit_chunks",
+    "dropped_writes",
+)
+"""Counters of the worker's :class:`~lmcache.metrics.LMCacheMetrics` reported in the connector
+stats (as deltas), named as there."""
 
 
 @dataclass

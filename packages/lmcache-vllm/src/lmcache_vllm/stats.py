@@ -32,6 +32,11 @@ COUNTERS: dict[str, str] = {
     "scheduler_failures": "Scheduler-side lmcache failures turned into misses (never errors).",
     "skipped_requests": "Requests neither stored nor loaded: their KV cannot be keyed safely "
     "(e.g. prompt embeddings).",
+    "checksum_failures": "Chunks that failed verification in any tier (treated as misses).",
+    "tier_errors": "Tier operations that failed or timed out (treated as misses).",
+    "disk_hit_chunks": "Chunks read from the local disk tier.",
+    "remote_hit_chunks": "Chunks read from the remote (Redis/Valkey) tier.",
+    "dropped_writes": "Disk/remote writes dropped because the write queue was full.",
 }
 """Counter keys of the stats payload and their Prometheus documentation."""
 
@@ -63,6 +68,9 @@ class LMCacheKVConnectorStats(KVConnectorStats):  # type: ignore[misc]
             "lmcache save time (ms)": round(float(d.get("save_seconds", 0.0)) * 1e3, 3),
             "lmcache skipped requests": int(d.get("skipped_requests", 0)),
             "lmcache scheduler failures": int(d.get("scheduler_failures", 0)),
+            "lmcache disk hit chunks": int(d.get("disk_hit_chunks", 0)),
+            "lmcache remote hit chunks": int(d.get("remote_hit_chunks", 0)),
+            "lmcache tier errors": int(d.get("tier_errors", 0)),
         }
 
     def is_empty(self) -> bool:

@@ -35,7 +35,12 @@ import torch
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.config import LMCacheConfig
 from lmcache.gpu_connector import TransferSpec
-from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, ReqMeta, WorkerStats
+from lmcache_vllm.connector_metadata import (
+    ENGINE_COUNTERS,
+    LMCacheConnectorMetadata,
+    ReqMeta,
+    WorkerStats,
+)
 from lmcache_vllm.held_hits import HeldHits
 from lmcache_vllm.kv_registration import build_engine, order_caches
 from lmcache_vllm.lookup import LookupQuery, LookupServer
@@ -98,6 +103,7 @@ class WorkerSide:
         self._layer_ids: dict[str, int] = {}
         self._load_errors: set[int] = set()
         self._stats = WorkerStats()
+        self._engine_seen: dict[str, float] = {}  # engine counters already reported
         self._stats_lock = threading.Lock()
         self._xfer_lock = threading.Lock()
         self._layerwise: LayerwiseStep | None = None  # built with the caches (device)
@@ -420,9 +426,16 @@ class WorkerSide:
         """Worker counters since the last call (``None`` when nothing happened)."""
         with self._stats_lock:
             stats, self._stats = self._stats, WorkerStats()
-        if not any(stats.as_dict().values()):
+            out = stats.as_dict()
+            engine = self.lmcache_engine
+            if engine is not None:  # the tiers' counters, as deltas since the last report
+                for name in ENGINE_COUNTERS:
+                    value = engine.metrics.value(name)
+                    out[name] = value - self._engine_seen.get(name, 0.0)
+                    self._engine_seen[name] = value
+        if not any(out.values()):
             return None
-        return stats.as_dict()
+        return out
 
     def shutdown(self) -> None:
         """Finish queued saves, stop the lookup server, release every lease."""
