@@ -260,3 +260,15 @@ def test_callers_metrics_count_evictions_and_checksum_failures() -> None:
     _put(tier, b"d", 4.0)
     _put(tier, b"e", 5.0)  # no metrics passed: the tier's own count
     assert own.value("evicted_chunks") == 1 and caller.value("evicted_chunks") == 1
+
+
+def test_parallel_checksum_equals_tensor_checksum() -> None:
+    from lmcache.tiers.cpu_tier import CHECKSUM_SLICE_BYTES, parallel_checksum
+
+    for nbytes in (1, CHECKSUM_SLICE_BYTES, 3 * CHECKSUM_SLICE_BYTES + 5):
+        t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        assert parallel_checksum(t) == tensor_checksum(t)
+    t = torch.randint(0, 256, (2 * CHECKSUM_SLICE_BYTES,), dtype=torch.uint8)
+    before = parallel_checksum(t)
+    t[CHECKSUM_SLICE_BYTES + 7] ^= 1
+    assert parallel_checksum(t) != before
