@@ -5,7 +5,9 @@ identical to vLLM without lmcache.
 Needs a CUDA GPU and a CUDA build of vLLM (skips with a reason otherwise; CI has neither). On an
 offline GPU machine put an unpacked vLLM on ``PYTHONPATH`` first (the README's "Tests" section
 says how). Each case starts engines in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on a
-tiny random Llama built at test time; vLLM's V1 and V2 GPU model runners are both exercised.
+tiny random Llama built at test time; vLLM's V1 and V2 GPU model runners and its FLASH_ATTN and
+TRITON_ATTN backends are exercised, plus a corrupted CPU-tier chunk and the disk tier (pinned
+staging buffers, ``O_DIRECT`` reads).
 """
 
 from __future__ import annotations
@@ -50,17 +52,24 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _llm(model_dir: Path, kv: dict[str, Any] | None, **extra: Any) -> Any:
     from vllm import LLM
 
-    return LLM(
+    kwargs: dict[str, Any] = dict(
         model=str(model_dir),
         enforce_eager=True,
         block_size=BLOCK,
-        gpu_memory_utilization=0.2,
+        gpu_memory_utilization=0.05,  # ~7 GiB: a dozen engines start in one process
         dtype="bfloat16",
         max_model_len=2048,
         seed=0,
         kv_transfer_config=kv,
-        **extra,
     )
+    backend = extra.pop("attention_backend", None)
+    kwargs.update(extra)
+    if backend is None:
+        return LLM(**kwargs)
+    try:  # the engine argument's name moved between vLLM versions
+        return LLM(**kwargs, attention_backend=backend)
+    except TypeError:
+        return LLM(**kwargs, attention_config={"backend": backend})
 
 
 def _shutdown(llm: Any) -> None:
@@ -87,9 +96,10 @@ def baseline(model_dir: Path) -> dict[str, list[int]]:
         _shutdown(llm)
 
 
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN"])
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 @pytest.mark.parametrize("layerwise", [False, True], ids=["batched", "layerwise"])
-def test_store_reset_hit_identical(model_dir, baseline, runner, layerwise, monkeypatch):
+def test_store_reset_hit_identical(model_dir, baseline, runner, layerwise, backend, monkeypatch):
     from lmcache.tiers import reset_process_cpu_tiers
 
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if runner == "v2" else "0")
@@ -99,8 +109,10 @@ def test_store_reset_hit_identical(model_dir, baseline, runner, layerwise, monke
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"lmcache.chunk_size": CHUNK, "use_layerwise": layerwise},
     }
-    llm = _llm(model_dir, kv)
+    llm = _llm(model_dir, kv, attention_backend=backend)
     try:
+        chosen = llm.llm_engine.vllm_config.attention_config.backend
+        assert chosen is not None and backend in str(chosen), chosen
         assert _gen(llm, [PROMPT]) == [(baseline["prompt"], 0)]
         assert llm.reset_prefix_cache()
         # full chunks (512 tokens) come back from lmcache; vLLM computes the tail
@@ -111,6 +123,64 @@ def test_store_reset_hit_identical(model_dir, baseline, runner, layerwise, monke
         assert got[0][0] == baseline["ext"] and got[0][1] == 512
         # the second may also be served by vLLM's own cache, from the first's blocks
         assert got[1][0] == baseline["prompt"] and got[1][1] >= 512
+    finally:
+        _shutdown(llm)
+        reset_process_cpu_tiers()
+
+
+def test_corrupted_chunk_is_recomputed(model_dir, baseline):
+    """A bit flipped in a stored chunk's host bytes: the hit ends before it, output unchanged."""
+    from lmcache import tiers
+    from lmcache.tiers import reset_process_cpu_tiers
+
+    reset_process_cpu_tiers()
+    kv = {
+        "kv_connector": "LMCacheConnectorV1",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"lmcache.chunk_size": CHUNK},
+    }
+    llm = _llm(model_dir, kv)
+    try:
+        assert _gen(llm, [PROMPT]) == [(baseline["prompt"], 0)]
+        assert llm.reset_prefix_cache()
+        (tier,) = tiers.process_tier._tiers.values()
+        entries = list(tier._entries.values())
+        assert len(entries) == 2
+        for entry in entries:  # flip one bit in each chunk (chain order is not visible here)
+            entry.lease.tensor.view(-1).view(torch.uint8)[12345] ^= 0x10
+        assert _gen(llm, [PROMPT]) == [(baseline["prompt"], 0)]  # recomputed, same output
+    finally:
+        _shutdown(llm)
+        reset_process_cpu_tiers()
+
+
+def test_disk_tier_restart_on_gpu(model_dir, baseline, tmp_path):
+    """``local_cpu: false`` + disk: pinned staging buffers, O_DIRECT reads; a new engine (after
+    the process tiers are reset, as in a restart) hits from the folder with identical output."""
+    from lmcache.tiers import reset_process_cpu_tiers
+
+    reset_process_cpu_tiers()
+    kv = {
+        "kv_connector": "LMCacheConnectorV1",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "lmcache.chunk_size": CHUNK,
+            "lmcache.local_cpu": False,
+            "lmcache.max_local_cpu_size": 1.0,
+            "lmcache.local_disk": str(tmp_path / "kv"),
+            "lmcache.max_local_disk_size": 1.0,
+        },
+    }
+    llm = _llm(model_dir, kv)
+    try:
+        assert _gen(llm, [PROMPT]) == [(baseline["prompt"], 0)]
+    finally:
+        _shutdown(llm)
+        reset_process_cpu_tiers()
+    assert len(list((tmp_path / "kv").rglob("*.lmc"))) == 2
+    llm = _llm(model_dir, kv)
+    try:
+        assert _gen(llm, [PROMPT]) == [(baseline["prompt"], 512)]
     finally:
         _shutdown(llm)
         reset_process_cpu_tiers()
