@@ -18,6 +18,7 @@ vLLM's in-tree wrapper forwards neither ``reset_cache``, nor the connector stats
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from typing import Any
 
@@ -74,12 +75,22 @@ def load_lmcache_config(vllm_config: Any) -> LMCacheConfig:
     )
 
 
-_LIVE: weakref.WeakSet[LMCacheEngine] = weakref.WeakSet()
+_LIVE: list[weakref.ref[LMCacheEngine]] = []
+_LIVE_LOCK = threading.Lock()
+
+
+def _add_live(engine: LMCacheEngine) -> None:
+    with _LIVE_LOCK:
+        _LIVE[:] = [ref for ref in _LIVE if ref() is not None]
+        _LIVE.append(weakref.ref(engine))
 
 
 def live_engines() -> list[LMCacheEngine]:
-    """Worker-side ``LMCacheEngine`` objects of this process (for tests, demos, debugging)."""
-    return list(_LIVE)
+    """Worker-side ``LMCacheEngine`` objects of this process that are not closed, oldest first
+    (for tests, demos, debugging)."""
+    with _LIVE_LOCK:
+        engines = [ref() for ref in _LIVE]
+    return [e for e in engines if e is not None and not e._closed]
 
 
 class LMCacheConnectorV1Impl:
@@ -114,7 +125,7 @@ class LMCacheConnectorV1Impl:
                 world,
                 self.rank,
                 self._metadata,
-                _LIVE.add,
+                _add_live,
             )
         if parent is not None and not getattr(type(parent), "_lmcache_native", False):
             from lmcache_vllm.in_tree import adopt_in_tree_wrapper

@@ -155,6 +155,8 @@ RESTART_SCRIPT = textwrap.dedent(
                                              "lmcache.max_local_cpu_size": 0.25, **extra}}
         if "module" in sys.argv[2:]:
             cfg["kv_connector_module_path"] = "lmcache_vllm.connector"
+        if "plugin" in sys.argv[2:]:  # the name our vllm.general_plugins entry point registers
+            cfg["kv_connector"] = "LMCacheConnector"
         llm = LLM(model=model, enforce_eager=True, block_size=block, dtype="float32",
                   max_model_len=1024, kv_cache_memory_bytes=64 << 20, seed=0,
                   kv_transfer_config=cfg)
@@ -194,7 +196,7 @@ def _run_process(
 
 def test_disk_restart_in_new_processes(model_dir, baseline, tmp_path):
     """Process 1 stores (module-path connector, extra config); process 2, a new engine after a
-    restart, loads from the folder through vLLM's in-tree name with ``LMCACHE_LOCAL_DISK``."""
+    restart, loads from the folder through our plugin's name with ``LMCACHE_LOCAL_DISK``."""
     folder = tmp_path / "kv"
     extra = {"lmcache.local_disk": f"file://{folder}", "lmcache.max_local_disk_size": 0.5}
     assert _run_process(tmp_path, model_dir, PROMPTS["p300"], extra, "module") == (
@@ -202,7 +204,7 @@ def test_disk_restart_in_new_processes(model_dir, baseline, tmp_path):
         0,
     )
     env = {"LMCACHE_LOCAL_DISK": str(folder), "LMCACHE_MAX_LOCAL_DISK_SIZE": "0.5"}
-    assert _run_process(tmp_path, model_dir, PROMPTS["p300"], {}, **env) == (
+    assert _run_process(tmp_path, model_dir, PROMPTS["p300"], {}, "plugin", **env) == (
         baseline["p300"],
         256,
     )
@@ -220,7 +222,8 @@ def redis_server(tmp_path):
 @needs_redis
 def test_redis_shared_by_two_engine_processes(model_dir, baseline, tmp_path, redis_server):
     """Two separate engine processes share one server: the second hits the first's prompt.
-    The second runs LMCache's ``local_cpu: false`` form with ``LMCACHE_REMOTE_URL``."""
+    The second runs LMCache's ``local_cpu: false`` form with ``LMCACHE_REMOTE_URL``, loaded through
+    vLLM's in-tree name."""
     extra = {"lmcache.remote_url": redis_server.url}
     assert _run_process(tmp_path, model_dir, PROMPTS["p300"], extra, "module") == (
         baseline["p300"],
