@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Paths SGLang's ``--enable-lmcache`` hook imports (``lmcache.integration.sglang.*``).
 
-They will forward to the ``lmcache-sglang`` adapter once it exists; today that adapter is a
-skeleton, so importing the submodules SGLang names raises ``ImportError`` with the install hint and
-SGLang falls back to running without lmcache.
+SGLang 0.5.21+ (``LMCacheUnifiedRadixCache``) imports ``unified_lmcache_mp_connector`` and
+``lmcache_mp_metadata``; SGLang 0.5.17-0.5.19 (``LMCRadixCache``) imports ``sglang_adapter``,
+``multi_process_adapter`` and ``utils``. The implementation lives in the ``lmcache-sglang``
+distribution: these modules forward attribute access to ``lmcache_sglang`` lazily and raise
+``ImportError`` with the install command when that package is missing.
 """

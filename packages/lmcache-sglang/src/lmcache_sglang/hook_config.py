@@ -1,0 +1,118 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Configuration, model identity and ranks shared by the SGLang hooks.
+
+Each hook receives its settings its own way (the linker's ``linker_extra_config``, HiCache's
+``--hicache-storage-backend-extra-config``, ``--lmcache-config-file``). :func:`hook_config` merges
+them with ``LMCACHE_*`` and ``LMCACHE_CONFIG_FILE`` through :func:`lmcache.config.load_config`,
+so every hook reports the same typed :class:`~lmcache.config.ConfigError`. :func:`model_facts`
+reads what changes the KV bytes from SGLang's ``ServerArgs``; :func:`tp_rank_and_size` the rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lmcache.config import ConfigError, LMCacheConfig, load_config
+
+__all__ = [
+    "CONFIG_FILE_KEY",
+    "LMCACHE_DAEMON_KEYS",
+    "ModelFacts",
+    "hook_config",
+    "model_facts",
+    "strip_daemon_keys",
+    "tp_rank_and_size",
+]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE_KEY = "config_file"
+"""Extra-config key naming an lmcache YAML file (as ``LMCACHE_CONFIG_FILE`` does)."""
+
+LMCACHE_DAEMON_KEYS = frozenset({"mp_host", "mp_port"})
+"""Keys of LMCache's multiprocess daemon: accepted and ignored (lmcache runs in process)."""
+
+
+def hook_config(
+    extra: Mapping[str, Any] | None,
+    *,
+    hook: str,
+    path: str | None = None,
+    ignore: Collection[str] = (),
+) -> LMCacheConfig:
+    """The lmcache config of one SGLang hook.
+
+    Args:
+        extra: The hook's extra config: lmcache keys (optionally ``lmcache.``-prefixed), and
+            ``config_file`` naming a YAML file.
+        hook: The hook's name, for messages (e.g. ``"linker_extra_config"``).
+        path: A YAML file given by the hook itself (``--lmcache-config-file``); ``config_file``
+            in ``extra`` wins over it, and either over ``LMCACHE_CONFIG_FILE``.
+        ignore: Keys of ``extra`` that belong to SGLang, not to lmcache.
+
+    Raises:
+        ConfigError: an unknown key, a wrong type or value (the message names the key, the
+            source, the expected form and what was found).
+    """
+    overrides = dict(extra or {})
+    for key in ignore:
+        overrides.pop(key, None)
+    file_path = overrides.pop(CONFIG_FILE_KEY, None)
+    if file_path is not None and not isinstance(file_path, str):
+        raise ConfigError(
+            f"{hook}[{CONFIG_FILE_KEY!r}]: expected the path of an lmcache YAML file as a "
+            f"string, found {type(file_path).__name__} {file_path!r}."
+        )
+    return load_config(file_path or path, overrides=overrides)
+
+
+def strip_daemon_keys(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``raw`` without LMCache's daemon keys, logging once that they are not needed."""
+    found = sorted(LMCACHE_DAEMON_KEYS & set(raw))
+    if found:
+        logger.info(
+            "lmcache: %s sets %s for LMCache's multiprocess daemon; lmcache runs inside the "
+            "SGLang process on its own tiers, so no daemon is needed and these keys are ignored.",
+            source,
+            ", ".join(found),
+        )
+    return {k: v for k, v in raw.items() if k not in LMCACHE_DAEMON_KEYS}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What identifies the model's KV bytes besides the pool geometry."""
+
+    model_name: str
+    model_revision: str = ""
+    quantization: str = ""
+    kv_cache_dtype: str = ""
+
+
+def model_facts(server_args: Any) -> ModelFacts:
+    """Model path, revision, quantization and KV-cache dtype setting of SGLang's ``ServerArgs``."""
+    model = str(getattr(server_args, "model_path", "") or "")
+    if not model:
+        raise ConfigError(
+            "lmcache-sglang: SGLang's server_args has no model_path; lmcache keys every page "
+            "with the model, so it cannot run without one."
+        )
+    kv_dtype = str(getattr(server_args, "kv_cache_dtype", "auto") or "auto")
+    return ModelFacts(
+        model_name=model,
+        model_revision=str(getattr(server_args, "revision", None) or ""),
+        quantization=str(getattr(server_args, "quantization", None) or ""),
+        kv_cache_dtype="" if kv_dtype == "auto" else kv_dtype,
+    )
+
+
+def tp_rank_and_size(group: Any = None) -> tuple[int, int]:
+    """This process's rank and the size of ``group`` (the tensor-parallel cache group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank(group=group)), int(dist.get_world_size(group=group))
+    return 0, 1
