@@ -63,8 +63,7 @@ from lmcache.layerwise import LayerwiseRetrieve, LayerwiseStore, Pending, Staged
 from lmcache.memory import HostMemoryPool, LeaseError, MemoryLease
 from lmcache.metrics import LMCacheMetrics
 from lmcache.request_plan import ExtraKeys, RequestPlan, Tokens, plan_request
-from lmcache.tiers import CPUTier, LowerTier, ReadRequest, process_lower_tiers
-from lmcache.tiers.chunk_format import fingerprint_digest
+from lmcache.tiers import CPUTier, LowerTier, cascade, process_lower_tiers
 
 if TYPE_CHECKING:
     from lmcache.config import LMCacheConfig
@@ -142,7 +141,14 @@ class LMCacheEngine:
         self.tier = tier
         self.pool = tier.pool
         self._fingerprint = metadata.fingerprint()
-        self._fp_digest = fingerprint_digest(self._fingerprint)
+        self._tiers = cascade.TierStack(
+            tier,
+            tuple(self.lower_tiers),
+            self._fingerprint,
+            self.metrics,
+            local_cpu=config.local_cpu,
+            checksum=config.checksum,
+        )
         self._closed = False
         self._close_lock = threading.Lock()
         full_chunk = self._chunk_shape(self.chunk_size)
@@ -230,117 +236,29 @@ class LMCacheEngine:
 
     def _present(self, key: bytes) -> bool:
         """Whether the CPU tier holds ``key`` (errors count as absent)."""
-        try:
-            return self.tier.contains(key)
-        except Exception as exc:
-            self._tier_error("look up a chunk", exc)
-            return False
-
-    def _lower_presence(self, keys: Sequence[bytes]) -> list[list[bool]]:
-        """For each lower tier, whether it holds each of ``keys`` (one batched call per tier)."""
-        return [t.contains(self._fp_digest, keys, self.metrics) for t in self.lower_tiers]
-
-    def _stored_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` some tier holds (CPU first, then the lower tiers)."""
-        found = 0
-        while found < len(keys) and self._present(keys[found]):
-            found += 1
-        if found == len(keys) or not self.lower_tiers:
-            return found
-        rest = keys[found:]
-        below = self._lower_presence(rest)
-        for i, key in enumerate(rest):
-            if not (any(p[i] for p in below) or (i and self._present(key))):
-                return found + i
-        return len(keys)
-
-    def _fetch_lower(
-        self, tier: LowerTier, keys: Sequence[bytes], ranges: Sequence[tuple[int, int]]
-    ) -> list[MemoryLease]:
-        """Read a run of chunks from a lower tier into host buffers, verified and promoted.
-
-        Returns leases on the leading chunks that were read and verified (the caller releases
-        them); with ``local_cpu`` they are also put into the CPU tier.
-        """
-        leases: list[MemoryLease] = []
-        for start, end in ranges:
-            try:
-                lease = self.tier.allocate(
-                    self._chunk_shape(end - start), self.metadata.kv_dtype, metrics=self.metrics
-                )
-            except Exception as exc:
-                self._tier_error("allocate", exc)
-                lease = None
-            if lease is None:
-                self.metrics.failed_allocations.inc()
-                break
-            leases.append(lease)
-        requests = [ReadRequest(k, lease.tensor) for k, lease in zip(keys, leases, strict=False)]
-        done = tier.read_into(self._fp_digest, requests, self.metrics)
-        for lease in leases[done:]:
-            lease.release()
-        leases = leases[:done]
-        if self.config.local_cpu and leases:
-            checksums: list[int | None] = [None] * len(leases)
-            if self.config.checksum:
-                checksums = list(self.tier.checksums([lease.tensor for lease in leases]))
-            for key, lease, checksum in zip(keys, leases, checksums, strict=False):
-                try:
-                    self.tier.put(key, lease, checksum, owner=self._fingerprint)
-                except Exception as exc:
-                    self._tier_error("promote a chunk", exc)
-                    break
-        return leases
+        return cascade.cpu_contains(self._tiers, key)
 
     def _hit_run(
         self, plan: RequestPlan, first: int, held: HeldHit | None = None
     ) -> list[tuple[bytes, MemoryLease]]:
-        """Leases on the longest run of stored chunks from chunk ``first`` on, in any tier.
+        """Leases on the longest run of stored chunks from chunk ``first`` on, in any tier
+        (:func:`lmcache.tiers.cascade.hit_run`); chunks in ``held`` get a share of its lease.
+        The caller releases the leases."""
+        keys = plan.keys[first:]
+        ranges = plan.ranges[first:]
+        shapes = [self._chunk_shape(end - start) for start, end in ranges]
 
-        Chunks in ``held`` get a share of its lease; CPU-tier chunks are verified by the tier;
-        runs of chunks found only below it are read, verified and promoted
-        (:meth:`_fetch_lower`). The caller releases the leases.
-        """
-        out: list[tuple[bytes, MemoryLease]] = []
-        keys, ranges = plan.keys, plan.ranges
-        below: list[list[bool]] | None = None
-        base = first
-        try:
-            i = first
-            while i < len(keys):
-                key = keys[i]
-                start, end = ranges[i]
-                lease = held.share(key) if held is not None else None
-                if lease is not None:
-                    lease = self._check_shape(key, lease, end - start)
-                else:
-                    lease = self._get(key, start, end)
-                if lease is not None:
-                    out.append((key, lease))
-                    i += 1
-                    continue
-                if not self.lower_tiers:
-                    break
-                if below is None:
-                    base, below = i, self._lower_presence(keys[i:])
-                source = next((t for t, p in enumerate(below) if p[i - base]), None)
-                if source is None:
-                    break
-                run = i + 1
-                while (
-                    run < len(keys) and below[source][run - base] and not self._present(keys[run])
-                ):
-                    run += 1
-                leases = self._fetch_lower(self.lower_tiers[source], keys[i:run], ranges[i:run])
-                out.extend(zip(keys[i:run], leases, strict=False))
-                if len(leases) < run - i:
-                    break
-                i = run
-        except BaseException:
-            for _, lease in out:
-                lease.release()
-            raise
-        return out
+        def cpu_lease(i: int) -> MemoryLease | None:
+            start, end = ranges[i]
+            lease = held.share(keys[i]) if held is not None else None
+            if lease is not None:
+                return self._check_shape(keys[i], lease, end - start)
+            return self._get(keys[i], start, end)
+
+        leases = cascade.hit_run(
+            self._tiers, keys, shapes, self.metadata.kv_dtype, cpu_lease=cpu_lease
+        )
+        return list(zip(keys, leases, strict=False))
 
     def _touch(self, chain: Sequence[bytes]) -> None:
         """Mark a run of one key chain used, earlier chunks more recent (kept longer)."""
@@ -375,19 +293,16 @@ class LMCacheEngine:
     def _allocate_store(self, plan: RequestPlan) -> list[Pending]:
         """Lease buffers for the chunks a store saves (leading ones only when memory is short)."""
         pending: list[Pending] = []
-        if not self.config.local_cpu and not self.lower_tiers:
-            return pending
-        todo = []
-        for i in range(plan.first_chunk, len(plan.keys)):
-            start, end = plan.ranges[i]
-            if end - start < self.chunk_size and not self.config.save_unfull_chunk:
-                continue  # trailing partial chunk
-            if not self.config.local_cpu or not self._present(plan.keys[i]):
-                todo.append(i)
-        if not self.config.local_cpu and todo:
-            # Staging only: skip the chunks every lower tier holds already.
-            below = self._lower_presence([plan.keys[i] for i in todo])
-            todo = [i for n, i in enumerate(todo) if not all(p[n] for p in below)]
+        candidates = [
+            i
+            for i in range(plan.first_chunk, len(plan.keys))
+            if plan.ranges[i][1] - plan.ranges[i][0] == self.chunk_size
+            or self.config.save_unfull_chunk  # else: a trailing partial chunk, not saved
+        ]
+        todo = [
+            candidates[n]
+            for n in cascade.keys_to_store(self._tiers, [plan.keys[i] for i in candidates])
+        ]
         self._touch(plan.keys)  # this chain's present chunks are the last to be evicted
         for i in todo:
             start, end = plan.ranges[i]
@@ -414,26 +329,9 @@ class LMCacheEngine:
 
         ``chain`` (the request's keys) is then marked used in chain order.
         """
-        stored_tokens = stored_bytes = 0
-        checksums: list[int | None] = [None] * len(pending)
-        if self.config.checksum:
-            checksums = list(self.tier.checksums([p.lease.tensor for p in pending]))
-        committed: list[tuple[bytes, MemoryLease, int | None]] = []
-        for p, checksum in zip(pending, checksums, strict=True):
-            if self.config.local_cpu:
-                try:
-                    self.tier.put(p.key, p.lease, checksum, owner=self._fingerprint)
-                except Exception as exc:
-                    self._tier_error("store a chunk", exc)
-                    break
-            committed.append((p.key, p.lease, checksum))
-            stored_tokens += p.chunk.num_tokens
-            stored_bytes += p.lease.nbytes
-            self.metrics.stored_chunks.inc()
-        for lower in self.lower_tiers:  # write-through, queued (never blocks)
-            lower.submit_chain(self._fp_digest, committed, self.metrics)
+        committed = cascade.publish(self._tiers, [(p.key, p.lease) for p in pending])
+        stored_tokens = sum(p.chunk.num_tokens for p in pending[:committed])
         self._touch(chain)
-        self.metrics.stored_bytes.inc(stored_bytes)
         self.metrics.store_seconds.observe(time.perf_counter() - started)
         return stored_tokens
 
@@ -489,7 +387,7 @@ class LMCacheEngine:
         if self._closed:
             raise RuntimeError("LMCacheEngine.lookup: the engine is closed.")
         plan = self._plan(tokens, None, None, salt, extra_keys)
-        found = self._stored_prefix(plan.keys)
+        found = cascade.stored_prefix(self._tiers, plan.keys)
         self._touch(plan.keys[:found])
         return self._count_lookup(plan, found)
 
@@ -704,9 +602,7 @@ class LMCacheEngine:
         including those other processes of the same model stored on a shared disk folder or
         Redis namespace: after a weight update, none of them is valid any more.
         """
-        self.tier.clear(owner=self._fingerprint)
-        for lower in self.lower_tiers:
-            lower.clear(self._fp_digest, self.metrics)
+        cascade.clear(self._tiers)
 
     def close(self) -> None:
         """Drop every chunk of a private CPU tier, wait (up to 10 s) for queued disk/remote
@@ -717,7 +613,6 @@ class LMCacheEngine:
             self._closed = True
         if self._owns_tier:
             self.tier.clear()
-        for lower in self.lower_tiers:
-            lower.flush(10.0)  # so what this engine stored survives a restart
+        cascade.flush(self._tiers, 10.0)  # so what this engine stored survives a restart
         if self.gpu_connector is not None:
             self.gpu_connector.close()
