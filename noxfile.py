@@ -209,7 +209,7 @@ def sglang(session: nox.Session) -> None:
     """
     session.install(*SGLANG_TORCH)
     session.install("--no-deps", f"sglang=={SGLANG_VERSION}")
-    session.install(*SGLANG_DEPS, *CORE_DEPS, *TEST_DEPS)
+    session.install(*SGLANG_DEPS, *CORE_DEPS, *TEST_DEPS, *REDIS_DEPS)
     session.install("--no-deps", "-e", SGLANG_KERNEL_STUB)
     session.install("--no-deps", *_editable("lmcache-core", "lmcache-sglang"))
     session.env.update(

@@ -25,6 +25,11 @@ whose pages are the same on every rank), the pipeline stage and the context-para
 backend is asynchronous to the forward pass; it is not layerwise (SGLang loads host pages into
 the device layer by layer itself).
 
+Pages live in every tier lmcache is configured with: ``batch_exists`` spans CPU -> disk ->
+remote, a get reads pages found only below the CPU tier into host memory, verified, before
+copying them into SGLang's host pool, and a set writes the CPU tier and queues the pages for the
+disk / remote tiers (write-through, asynchronous; ``close`` waits for the queue).
+
 Every failure is a miss (``False`` / ``None`` / a shorter prefix), logged, never an exception
 into SGLang's storage threads; bad configuration raises at construction.
 """
@@ -82,7 +87,7 @@ def _server_model_facts(fallback: str | None) -> ModelFacts:
 
 
 class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped here
-    """SGLang ``HiCacheStorage`` over lmcache's CPU tier (see the module docstring).
+    """SGLang ``HiCacheStorage`` over lmcache's tiers (see the module docstring).
 
     Args:
         storage_config: SGLang's ``HiCacheStorageConfig`` (ranks, MLA, model name, extra config).
@@ -348,10 +353,13 @@ class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
     # -- lifecycle ------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Drop the pages this model and rank stored (other models' pages stay)."""
+        """Drop the pages this model and rank stored from every tier (other models' pages
+        stay)."""
         if self.store is not None:
-            self.store.tier.clear(owner=self.store.fingerprint)
+            self.store.clear()
 
     def close(self) -> None:
+        """Wait (up to 10 s) for queued disk / remote writes, then close the connector."""
         if self.store is not None:
+            self.store.flush(10.0)
             self.store.connector.close()

@@ -22,7 +22,13 @@ Load it with::
   the attention layers wait on (layerwise).
 - **offload** (write-through of inserted nodes): queued to an offload thread that copies the
   pages out and stores them (asynchronous); SGLang collects completions through
-  ``num_completed_offloads`` / ``pop_completed_offload``.
+  ``num_completed_offloads`` / ``pop_completed_offload``. An offload completes once its pages
+  are in the CPU tier and written to the disk / remote tiers (the offload thread waits for those
+  writes), so what SGLang saw offloaded survives the SGLang process.
+- **tiers**: every tier lmcache is configured with (``local_cpu``, ``local_disk``,
+  ``remote_url``): lookups span CPU -> disk -> remote, and a load reads pages found only below
+  the CPU tier into host memory, verified, when it leases them
+  (:class:`~lmcache_sglang.page_store.PageStore`).
 - ``cancel_queued_load``, ``reset`` (quiesce; the stored pages stay, so a flushed radix tree is
   refilled from lmcache) and ``close``.
 
@@ -66,6 +72,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installed engine
 __all__ = ["LMCacheLinker", "build_page_store"]
 
 logger = logging.getLogger(__name__)
+
+LOWER_TIER_FLUSH_SECONDS = 30.0
+"""Longest an offload (or ``close``) waits for its disk / remote writes to land."""
 
 
 def build_page_store(
@@ -121,7 +130,7 @@ class _QueuedLoad:
 
 
 class LMCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is untyped here
-    """SGLang ``UnifiedCacheLinker`` over lmcache's CPU tier (see the module docstring).
+    """SGLang ``UnifiedCacheLinker`` over lmcache's tiers (see the module docstring).
 
     Constructed by SGLang as ``LMCacheLinker(server_args, params, components=...,
     extra_config=..., forward_stream=...)``.
@@ -322,6 +331,9 @@ class LMCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is unty
                     ok = self.store.store(keys, slots) == len(keys)
                     if ok:
                         self.stats["offloaded_pages"] += len(keys)
+                        # Write-through below the CPU tier is queued: wait for it here (off
+                        # the scheduler thread), so a completed offload survives the process.
+                        self.store.flush(LOWER_TIER_FLUSH_SECONDS)
                 except Exception as exc:
                     self._miss("offload", exc)
                     ok = False
@@ -359,4 +371,5 @@ class LMCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is unty
         for t in self._threads:
             t.join(timeout=30)
         logger.info("lmcache linker stats: %s", self.stats)
+        self.store.flush(LOWER_TIER_FLUSH_SECONDS)
         self.store.connector.close()

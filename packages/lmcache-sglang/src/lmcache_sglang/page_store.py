@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""KV pages keyed by SGLang's page hashes, kept in lmcache's CPU tier.
+"""KV pages keyed by SGLang's page hashes, kept in lmcache's tiers (CPU, disk, remote).
 
 SGLang's storage hooks (``UnifiedCacheLinker``, ``HiCacheStorage``) name each page of
 ``page_size`` tokens by a hash string: SHA-256 chained over the previous page's digest and the
@@ -15,6 +15,15 @@ quantization, KV dtype, geometry, tensor-parallel rank and size) and ``namespace
 shapes the bytes (pipeline stage, host pool). A page is one chunk of the canonical format
 ``[num_layers, page_size, kv_width]``, checksummed in the tier like every lmcache chunk; pages of
 one request are moved with one connector call.
+
+Pages cascade over the tiers exactly like the cache engine's chunks
+(:mod:`lmcache.tiers.cascade`): a lookup is the longest prefix present in the CPU tier, then the
+local disk, then Redis (one batched query per lower tier); a load leases the pages, reading those
+found only below the CPU tier into CPU-tier buffers, verified (and promoted into the CPU tier when
+``local_cpu``) before the hook reports them; a store writes the CPU tier and queues the pages for
+every lower tier in page order (write-through, asynchronous); with ``local_cpu: false`` host
+memory only stages; :meth:`PageStore.clear` drops the model's pages from every tier. A tier that
+fails is a miss.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from lmcache.gpu_connector.interface import ChunkTransfer, GPUConnectorInterface
 from lmcache.memory import MemoryLease
 from lmcache.metadata import LMCacheMetadata
 from lmcache.metrics import LMCacheMetrics
-from lmcache.tiers import CPUTier
+from lmcache.tiers import CPUTier, LowerTier, cascade, process_lower_tiers
 
 __all__ = ["PAGE_KEY_FORMAT", "HeldPages", "PageStore"]
 
@@ -66,18 +75,24 @@ class HeldPages:
 
 
 class PageStore:
-    """Stores and loads SGLang pages by page hash on a :class:`~lmcache.tiers.CPUTier`.
+    """Stores and loads SGLang pages by page hash on lmcache's tiers (CPU -> disk -> remote).
 
     Args:
-        config: lmcache configuration (``cache_salt``, ``checksum``, ``local_cpu``).
+        config: lmcache configuration (``cache_salt``, ``checksum``, ``local_cpu``; with
+            ``lower_tiers=None`` also ``local_disk`` / ``remote_url``).
         metadata: Geometry; ``metadata.chunk_size`` must be SGLang's ``page_size``.
         connector: Moves pages between SGLang's pool and page buffers.
         tier: The CPU tier (usually :func:`lmcache.tiers.process_cpu_tier`).
         metrics: Where to count.
         namespace: Extra key material (pipeline stage, pool name).
+        lower_tiers: The disk / remote tiers below the CPU one, in lookup order. ``None`` takes
+            the process-wide ones ``config`` names (:func:`lmcache.tiers.process_lower_tiers`);
+            ``()`` uses none.
 
     Raises:
         ValueError: the connector's geometry differs from ``metadata``.
+        lmcache.config.ConfigError: a lower tier cannot be used (unwritable folder, malformed
+            URL, a disk budget below one page).
     """
 
     def __init__(
@@ -88,6 +103,8 @@ class PageStore:
         tier: CPUTier,
         metrics: LMCacheMetrics,
         namespace: str = "",
+        *,
+        lower_tiers: Sequence[LowerTier] | None = None,
     ) -> None:
         found = (connector.num_layers, connector.kv_width, connector.dtype)
         expected = (metadata.num_layers, metadata.kv_width, metadata.kv_dtype)
@@ -103,6 +120,25 @@ class PageStore:
         self.metrics = metrics
         self.page_size = metadata.chunk_size
         self.fingerprint = metadata.fingerprint()
+        self.lower_tiers: list[LowerTier] = list(
+            process_lower_tiers(config) if lower_tiers is None else lower_tiers
+        )
+        self.tiers = cascade.TierStack(
+            tier,
+            tuple(self.lower_tiers),
+            self.fingerprint,
+            metrics,
+            local_cpu=config.local_cpu,
+            checksum=config.checksum,
+        )
+        page_bytes = metadata.num_layers * self.page_size * metadata.kv_width
+        page_bytes *= metadata.kv_dtype.itemsize
+        for lower in self.lower_tiers:
+            check_quota = getattr(lower, "check_quota", None)
+            if check_quota is not None:
+                check_quota(page_bytes)
+        if not config.local_cpu and not self.lower_tiers:
+            logger.info("PageStore: local_cpu=False and no other tier: nothing is stored.")
         self._seed = (
             PAGE_KEY_FORMAT
             + self.fingerprint
@@ -127,63 +163,43 @@ class PageStore:
     def _shape(self) -> tuple[int, int, int]:
         return (self.metadata.num_layers, self.page_size, self.metadata.kv_width)
 
+    def _touch(self, keys: Sequence[bytes]) -> None:
+        """Mark a run of pages of one chain used in the CPU tier (earlier pages more recent)."""
+        if not keys:
+            return
+        try:
+            self.tier.touch_many(keys)
+        except Exception as exc:
+            self._tier_error("mark pages used", exc)
+
     # -- queries ------------------------------------------------------------------------------
 
     def contains(self, page_hash: str) -> bool:
-        """Whether the page is stored (no checksum verification; a tier error is ``False``)."""
-        try:
-            return self.tier.contains(self.key(page_hash))
-        except ValueError:
-            raise
-        except Exception as exc:
-            self._tier_error("look up a page", exc)
-            return False
+        """Whether some tier holds the page (no verification; a failing tier is a miss)."""
+        return cascade.stored_prefix(self.tiers, [self.key(page_hash)]) == 1
 
     def prefix_pages(self, page_hashes: Sequence[str]) -> int:
-        """Number of leading pages of ``page_hashes`` that are stored."""
-        found = 0
-        for page_hash in page_hashes:
-            if not self.contains(page_hash):
-                break
-            found += 1
+        """Number of leading pages of ``page_hashes`` that some tier holds (CPU, disk, remote;
+        one batched query per lower tier; nothing is read or leased)."""
+        found = cascade.stored_prefix(self.tiers, [self.key(h) for h in page_hashes])
         self.metrics.lookup_requests.inc()
         self.metrics.lookup_tokens.inc(len(page_hashes) * self.page_size)
         self.metrics.hit_tokens.inc(found * self.page_size)
         return found
 
     def hold(self, page_hashes: Sequence[str]) -> HeldPages:
-        """Verified leases on the longest stored prefix of ``page_hashes``.
+        """Verified leases on the longest stored prefix of ``page_hashes``, in any tier.
 
-        Each page's checksum is verified now; the first missing or corrupt page ends the run.
-        The pages cannot be evicted until :meth:`HeldPages.release`.
+        Pages in the CPU tier have their checksum verified now; pages found only on disk or in
+        Redis are read into CPU-tier buffers and verified (header, key, model fingerprint,
+        geometry, checksum), and promoted into the CPU tier when ``local_cpu``. The first
+        missing or corrupt page ends the run. The pages cannot be evicted until
+        :meth:`HeldPages.release`.
         """
-        leases: list[MemoryLease] = []
+        keys = [self.key(h) for h in page_hashes]
         shape = self._shape()
-        for page_hash in page_hashes:
-            key = self.key(page_hash)
-            try:
-                lease = self.tier.get(key, metrics=self.metrics)
-            except Exception as exc:
-                self._tier_error("get a page", exc)
-                lease = None
-            if lease is None:
-                break
-            if tuple(lease.tensor.shape) != shape or lease.tensor.dtype != self.metadata.kv_dtype:
-                logger.warning(
-                    "Page %s has shape %s %s, expected %s %s; treating it as a miss.",
-                    page_hash,
-                    tuple(lease.tensor.shape),
-                    lease.tensor.dtype,
-                    shape,
-                    self.metadata.kv_dtype,
-                )
-                lease.release()
-                break
-            leases.append(lease)
-        try:
-            self.tier.touch_many([self.key(h) for h in page_hashes[: len(leases)]])
-        except Exception as exc:
-            self._tier_error("mark pages used", exc)
+        leases = cascade.hit_run(self.tiers, keys, [shape] * len(keys), self.metadata.kv_dtype)
+        self._touch(keys[: len(leases)])
         return HeldPages(leases)
 
     # -- transfers ----------------------------------------------------------------------------
@@ -227,9 +243,13 @@ class PageStore:
     def store(self, page_hashes: Sequence[str], slots: torch.Tensor) -> int:
         """Save the pages ``page_hashes`` whose token slots are ``slots`` (stored ones skipped).
 
+        The pages go into the CPU tier (when ``local_cpu``) and are queued for every lower tier
+        in page order (write-through, asynchronous; see :meth:`flush`). With ``local_cpu``
+        false host memory only stages them, and pages every lower tier holds are skipped.
+
         Returns:
             How many leading pages are stored now (all of them unless host memory ran out or
-            the tier failed).
+            the CPU tier failed; queued lower-tier writes count); 0 when no tier keeps pages.
 
         Raises:
             ValueError: bad hashes or slots. Connector errors are raised.
@@ -237,15 +257,14 @@ class PageStore:
         started = time.perf_counter()
         spec = self.slot_spec(slots, len(page_hashes))
         keys = [self.key(h) for h in page_hashes]
-        if not self.config.local_cpu:
+        if not self.tiers.stores_anything:
             return 0
-        todo: list[tuple[bytes, ChunkTransfer, MemoryLease]] = []
+        todo = cascade.keys_to_store(self.tiers, keys)
+        pending: list[tuple[int, ChunkTransfer, MemoryLease]] = []
         stored = len(keys)
         try:
-            for i, key in enumerate(keys):
+            for i in todo:
                 try:
-                    if self.tier.contains(key):
-                        continue
                     lease = self.tier.allocate(
                         self._shape(), self.metadata.kv_dtype, metrics=self.metrics
                     )
@@ -257,50 +276,63 @@ class PageStore:
                     stored = i
                     break
                 chunk = ChunkTransfer(i * self.page_size, (i + 1) * self.page_size, lease.tensor)
-                todo.append((key, chunk, lease))
-            if todo:
-                self.connector.from_gpu([c for _, c, _ in todo], spec)
-                checksums: list[int | None] = [None] * len(todo)
-                if self.config.checksum:
-                    checksums = list(self.tier.checksums([lease.tensor for _, _, lease in todo]))
-                for (key, _, lease), checksum in zip(todo, checksums, strict=True):
-                    self.tier.put(key, lease, checksum, owner=self.fingerprint)
-                    self.metrics.stored_chunks.inc()
-                    self.metrics.stored_bytes.inc(lease.nbytes)
-            self.tier.touch_many(keys[:stored])
+                pending.append((i, chunk, lease))
+            if pending:
+                self.connector.from_gpu([c for _, c, _ in pending], spec)
+                done = cascade.publish(self.tiers, [(keys[i], lease) for i, _, lease in pending])
+                if done < len(pending):
+                    stored = min(stored, pending[done][0])
+            self._touch(keys[:stored])
         finally:
-            for _, _, lease in todo:
+            for _, _, lease in pending:
                 if not lease.released:
                     lease.release()
         self.metrics.store_seconds.observe(time.perf_counter() - started)
         return stored
 
     def put_page(self, page_hash: str, page: torch.Tensor) -> bool:
-        """Store one page given as a canonical ``[num_layers, page_size, kv_width]`` tensor."""
+        """Store one page given as a canonical ``[num_layers, page_size, kv_width]`` tensor
+        (CPU tier when ``local_cpu``, and written through to every lower tier)."""
         if tuple(page.shape) != self._shape() or page.dtype != self.metadata.kv_dtype:
             raise ValueError(
                 f"PageStore.put_page: expected a {list(self._shape())} {self.metadata.kv_dtype} "
                 f"page, found {list(page.shape)} {page.dtype}"
             )
         key = self.key(page_hash)
-        if not self.config.local_cpu:
+        if not self.tiers.stores_anything:
             return False
-        if self.tier.contains(key):
-            self.tier.touch(key)
+        if not cascade.keys_to_store(self.tiers, [key]):
+            self._touch([key])
             return True
-        lease = self.tier.allocate(self._shape(), self.metadata.kv_dtype, metrics=self.metrics)
+        try:
+            lease = self.tier.allocate(self._shape(), self.metadata.kv_dtype, metrics=self.metrics)
+        except Exception as exc:
+            self._tier_error("allocate a page", exc)
+            lease = None
         if lease is None:
             self.metrics.failed_allocations.inc()
             return False
         try:
             lease.tensor.copy_(page)
-            checksum = self.tier.checksums([lease.tensor])[0] if self.config.checksum else None
-            self.tier.put(key, lease, checksum, owner=self.fingerprint)
-            self.metrics.stored_chunks.inc()
-            self.metrics.stored_bytes.inc(lease.nbytes)
+            return cascade.publish(self.tiers, [(key, lease)]) == 1
         finally:
             lease.release()
-        return True
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the lower tiers' queued writes are done (each up to ``timeout`` s), so
+        what was stored survives this process; ``False`` if one timed out."""
+        return cascade.flush(self.tiers, timeout)
+
+    def clear(self) -> None:
+        """Drop this model's pages (owner: the metadata fingerprint) from every tier.
+
+        Other models' pages stay. In the disk and remote tiers every entry of the fingerprint
+        goes, including chunks and pages other processes of the same model stored in a shared
+        folder or Redis namespace: after a weight update none of them is valid.
+        """
+        cascade.clear(self.tiers)
 
     def _tier_error(self, action: str, exc: Exception) -> None:
         self.metrics.tier_errors.inc()

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from .conftest import (
+    PAGE,
+    PROMPTS,
     enable_lmcache_kwargs,
     external_hit,
     flush,
@@ -59,5 +61,30 @@ def test_two_engines_in_sequence_share_the_disk_tier(
         out = generate(second, "b")
         assert external_hit(out) >= min_hit("enable_lmcache", "b") > 0, out["meta_info"]
         assert out["output_ids"] == reference["b"]
+    finally:
+        second.shutdown()
+
+
+def test_linker_engines_in_sequence_load_pages_from_the_disk_tier(
+    model_dir: Path, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """The linker cascades over lmcache's tiers: the first engine's offloads are written through
+    to the disk tier (``local_disk``), and a second engine, whose CPU tier starts empty (its
+    scheduler is a new process), restores the prompt's pages from the folder."""
+    disk = tmp_path / "disk"
+    kwargs = linker_kwargs(local_disk=str(disk), max_local_disk_size=0.25)
+    first = start_engine(model_dir, **kwargs)
+    try:
+        assert generate(first, "c")["output_ids"] == reference["c"]
+        flush(first)  # waits for the offloads (and their writes to the folder)
+    finally:
+        first.shutdown()
+    pages = len(PROMPTS["c"]) // PAGE
+    assert len(list(disk.rglob("*.lmc"))) >= pages - 1
+    second = start_engine(model_dir, **kwargs)
+    try:
+        out = generate(second, "c")
+        assert external_hit(out) >= min_hit("linker", "c") > 0, out["meta_info"]
+        assert out["output_ids"] == reference["c"]
     finally:
         second.shutdown()
