@@ -56,15 +56,21 @@ class _Lease:
         pass
 
 
-def _best(fn: Callable[[], None], repeat: int, setup: Callable[[], None] | None = None) -> float:
-    times = []
+def _rounds(
+    steps: list[tuple[str, Callable[[], None], Callable[[], None] | None]], repeat: int
+) -> dict[str, float]:
+    """Best time of each step over ``repeat`` rounds; a round runs every step once, in order, so
+    a tier and its ceiling see the same machine load. ``setup`` (if any) is not timed."""
+    best: dict[str, float] = {}
     for _ in range(repeat):
-        if setup is not None:
-            setup()  # not timed
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
+        for name, fn, setup in steps:
+            if setup is not None:
+                setup()
+            started = time.perf_counter()
+            fn()
+            took = time.perf_counter() - started
+            best[name] = min(best.get(name, took), took)
+    return best
 
 
 def _chunks(tokens: int) -> tuple[list[bytes], list[torch.Tensor]]:
@@ -119,26 +125,35 @@ def _disk(folder: Path, keys, chunks, outs, checksums, repeat: int) -> list[tupl
     metrics = LMCacheMetrics()
     tier = DiskTier(str(folder / "tier"), 4 * nbytes, write_queue_bytes=2 * nbytes)
     try:
-        # Cleared before each timed store: the tier does not rewrite what it holds already.
-        store = _best(
-            _tier_store(tier, keys, chunks, metrics, checksums),
+        # The tier is cleared before each timed store: it does not rewrite what it holds.
+        t = _rounds(
+            [
+                ("raw write", raw_write, None),
+                (
+                    "store",
+                    _tier_store(tier, keys, chunks, metrics, checksums),
+                    clear(tier, metrics),
+                ),
+                ("raw read", raw_read, None),
+                ("retrieve", _tier_retrieve(tier, keys, outs, metrics), None),
+            ],
             repeat,
-            setup=lambda: tier.clear(None, metrics),
         )
-        retrieve = _best(_tier_retrieve(tier, keys, outs, metrics), repeat)
     finally:
         tier.close()
     assert all(
         torch.equal(o.view(torch.int16), c.view(torch.int16))
         for o, c in zip(outs, chunks, strict=True)
     )
-    ceiling_w = _best(raw_write, repeat)
-    ceiling_r = _best(raw_read, repeat)
     gb = nbytes / 1e9
     return [
-        ("disk store", gb / store, gb / ceiling_w),
-        ("disk retrieve", gb / retrieve, gb / ceiling_r),
+        ("disk store", gb / t["store"], gb / t["raw write"]),
+        ("disk retrieve", gb / t["retrieve"], gb / t["raw read"]),
     ]
+
+
+def clear(tier: LowerTier, metrics: LMCacheMetrics) -> Callable[[], None]:
+    return lambda: tier.clear(None, metrics)
 
 
 def _redis(tmp: Path, keys, chunks, outs, checksums, repeat: int) -> list[tuple[str, float]]:
@@ -178,25 +193,34 @@ def _redis(tmp: Path, keys, chunks, outs, checksums, repeat: int) -> list[tuple[
             for i, out in enumerate(outs):
                 out.reshape(-1).view(torch.uint8).numpy()[:] = memoryview(client.get(f"raw:{i}"))
 
-        # The ceiling is the faster of one command per chunk and pipelines of 8.
-        ceiling_w = min(_best(raw_set_single, repeat), _best(raw_set_pipelined, repeat))
-        ceiling_r = min(_best(raw_get_single, repeat), _best(raw_get_pipelined, repeat))
-        client.flushall()
         metrics = LMCacheMetrics()
         tier = RedisTier(server.url, timeout=30.0, write_queue_bytes=2 * nbytes)
         try:
-            store = _best(
-                _tier_store(tier, keys, chunks, metrics, checksums),
+            t = _rounds(
+                [
+                    ("raw set 1", raw_set_single, None),
+                    ("raw set 8", raw_set_pipelined, None),
+                    (
+                        "store",
+                        _tier_store(tier, keys, chunks, metrics, checksums),
+                        clear(tier, metrics),
+                    ),
+                    ("raw get 1", raw_get_single, None),
+                    ("raw get 8", raw_get_pipelined, None),
+                    ("retrieve", _tier_retrieve(tier, keys, outs, metrics), None),
+                ],
                 repeat,
-                setup=lambda: tier.clear(None, metrics),
             )
-            retrieve = _best(_tier_retrieve(tier, keys, outs, metrics), repeat)
         finally:
             tier.close()
         assert all(
             torch.equal(o.view(torch.int16), c.view(torch.int16))
             for o, c in zip(outs, chunks, strict=True)
         )
+    # The ceiling is the faster of one command per chunk and pipelines of 8.
+    ceiling_w = min(t["raw set 1"], t["raw set 8"])
+    ceiling_r = min(t["raw get 1"], t["raw get 8"])
+    store, retrieve = t["store"], t["retrieve"]
     gb = nbytes / 1e9
     return [
         ("redis store", gb / store, gb / ceiling_w),
