@@ -14,7 +14,11 @@ xz squeezes the zeros away. File size is unchanged; compress it to carry it.
 Entry header layout (kind u16 @0, header size u32 @4, payload size u64 @8,
 arch u32 @28) as read by cuobjdump; verify the result with
 `cuobjdump --list-elf X.so`. Used by build_bundle.sh (see tools/gpu_engines/README.md)."""
-import argparse, collections, re, struct, subprocess
+import argparse
+import collections
+import re
+import struct
+import subprocess
 
 MAGIC = 0xBA55ED50
 
@@ -43,17 +47,20 @@ def containers(buf, off, end):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("so"); ap.add_argument("--keep", help="comma list, e.g. 90")
+    ap.add_argument("so")
+    ap.add_argument("--keep", help="comma list, e.g. 90")
     ap.add_argument("--out")
     a = ap.parse_args()
     foff, fsize = section(a.so, ".nv_fatbin")
-    data = bytearray(open(a.so, "rb").read())
+    with open(a.so, "rb") as f:
+        data = bytearray(f.read())
     keep = {int(x) for x in a.keep.split(",")} if a.keep else None
     stats, count, kept = collections.Counter(), collections.Counter(), 0
     for start, hsz, fsz, ents in containers(data, foff, foff + fsize):
         for (_p, kind, ehsz, psize, arch) in ents:
             k = {1: "ptx", 2: "elf"}.get(kind, str(kind))
-            stats[(k, arch)] += ehsz + psize; count[(k, arch)] += 1
+            stats[(k, arch)] += ehsz + psize
+            count[(k, arch)] += 1
         if keep is None:
             continue
         has_elf = any(kind == 2 and arch in keep for (_, kind, _, _, arch) in ents)
@@ -73,7 +80,8 @@ def main():
     if keep is not None:
         print(f"kept {kept/1e6:.2f} MB")
         if a.out:
-            open(a.out, "wb").write(data)
+            with open(a.out, "wb") as f:
+                f.write(data)
 
 if __name__ == "__main__":
     main()

@@ -164,7 +164,8 @@ def host_pool_layers(host_pool: Any) -> PoolLayers:
     layout = str(getattr(host_pool, "layout", ""))
     if not isinstance(kv_buffer, torch.Tensor):
         raise _pool_error(host_pool, "it has no kv_buffer tensor")
-    use_mla = "MLA" in type(host_pool).__name__ or not hasattr(host_pool, "v_head_dim")
+    # MHA host pools have head_num on every SGLang, MLA ones none (0.5.17 MHA has no v_head_dim)
+    use_mla = "MLA" in type(host_pool).__name__ or not hasattr(host_pool, "head_num")
     num_layers = int(host_pool.layer_num)
     caches, kv_layout = host_layer_views(kv_buffer, layout, num_layers, use_mla)
     page_size = int(host_pool.page_size)
