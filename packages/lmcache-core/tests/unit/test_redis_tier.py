@@ -154,6 +154,26 @@ def test_read_groups_bound_bytes(tier: RedisTier) -> None:
     assert all(torch.equal(_bits(o), _bits(c)) for o, c in zip(outs, chunks, strict=True))
 
 
+def test_bad_chunk_in_a_later_group_ends_the_run_there(
+    tier: RedisTier, client: redis.Redis
+) -> None:
+    """Groups are fetched while the previous one is verified: a bad chunk in group 3 still
+    stops the run exactly before it, and nothing after it is reported."""
+    metrics = LMCacheMetrics()
+    keys, chunks = _keys(7, "overlap"), _chunks(7, seed=5)
+    _store(tier, FP_A, keys, chunks, metrics)
+    chunk_bytes = HEADER_BYTES + chunks[0].numel() * chunks[0].element_size()
+    tier.read_group_bytes = 2 * chunk_bytes
+    name = tier._name(FP_A, keys[5])
+    value = bytearray(client.get(name))
+    value[-3] ^= 0x20
+    client.set(name, bytes(value))
+    done, outs = _read(tier, FP_A, keys, metrics)
+    assert done == 5
+    assert all(torch.equal(_bits(o), _bits(c)) for o, c in zip(outs[:5], chunks[:5], strict=True))
+    assert metrics.value("checksum_failures") == 1 and not client.exists(name)
+
+
 def _stat(client: redis.Redis, section: str, field: str) -> int:
     info = client.info(section)
     value = info[field]

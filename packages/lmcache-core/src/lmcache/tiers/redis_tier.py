@@ -53,6 +53,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -252,6 +253,8 @@ class RedisTier(LowerTier):
         self._ttl_ms = None if ttl is None else max(1, round(ttl * 1000))
         self._password = os.environ.get(PASSWORD_ENV) or None
         self._client_lock = threading.Lock()
+        self._decoder_lock = threading.Lock()
+        self._decode_pool: ThreadPoolExecutor | None = None
         self._client_obj: Any = None  # redis.Redis or redis.cluster.RedisCluster, made lazily
         self._breaker = _Breaker(breaker_failures, breaker_cooldown, self._masked)
         client: Any = None
@@ -405,22 +408,46 @@ class RedisTier(LowerTier):
     ) -> list[bool | CorruptChunk]:
         names = [self._name(fingerprint, r.key) for r in requests]
         results: list[bool | CorruptChunk] = [False] * len(requests)
-        for start, stop in self._read_groups(requests):
 
-            def op(client: Any, group: list[bytes] = names[start:stop]) -> list[Any]:
-                pipe = client.pipeline(transaction=False)
-                for name in group:
-                    pipe.get(name)
-                return list(pipe.execute())
-
-            values = self._run(op)
+        def decode(start: int, values: list[Any]) -> bool:
+            """Verify and copy one group; ``False`` once a chunk is missing or bad."""
             for i, value in enumerate(values, start):
                 outcome = self._decode_into(fingerprint, requests[i], value)
                 results[i] = outcome
                 if outcome is not True:
+                    return False
+            return True
+
+        # Group k is verified and copied on a helper thread while group k + 1 is fetched
+        # (hashing and socket reads both release the GIL).
+        pending: Future[bool] | None = None
+        try:
+            for start, stop in self._read_groups(requests):
+
+                def op(client: Any, group: list[bytes] = names[start:stop]) -> list[Any]:
+                    pipe = client.pipeline(transaction=False)
+                    for name in group:
+                        pipe.get(name)
+                    return list(pipe.execute())
+
+                values = self._run(op)
+                if pending is not None and not pending.result():
                     return results
-            del values
+                pending = self._decoder().submit(decode, start, values)
+                del values
+            if pending is not None:
+                pending.result()
+        finally:
+            # Never return (or raise) while the helper may still write into a caller's buffer.
+            if pending is not None and not pending.cancel():
+                wait([pending])
         return results
+
+    def _decoder(self) -> ThreadPoolExecutor:
+        with self._decoder_lock:
+            if self._decode_pool is None:
+                self._decode_pool = ThreadPoolExecutor(1, thread_name_prefix="lmcache-redis-read")
+            return self._decode_pool
 
     @staticmethod
     def _decode_into(fingerprint: bytes, request: ReadRequest, value: Any) -> bool | CorruptChunk:
@@ -525,6 +552,10 @@ class RedisTier(LowerTier):
         self._run(op)
 
     def _close(self) -> None:
+        with self._decoder_lock:
+            pool, self._decode_pool = self._decode_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         with self._client_lock:
             client, self._client_obj = self._client_obj, None
         if client is None:
