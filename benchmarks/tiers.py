@@ -100,6 +100,44 @@ def _tier_retrieve(tier: LowerTier, keys, outs, metrics) -> Callable[[], None]:
     return run
 
 
+def _time_tier(
+    tier: LowerTier,
+    keys,
+    chunks,
+    outs,
+    checksums,
+    raw_writes: list[tuple[str, Callable[[], None]]],
+    raw_reads: list[tuple[str, Callable[[], None]]],
+    repeat: int,
+) -> dict[str, float]:
+    """Best times of the ``raw_writes``, the tier's ``store``, the ``raw_reads`` and the tier's
+    ``retrieve``, in that order in each of ``repeat`` rounds; then close the tier and check that
+    ``outs`` hold ``chunks``. The tier is cleared before each timed store: it does not rewrite
+    what it holds."""
+    metrics = LMCacheMetrics()
+    try:
+        t = _rounds(
+            [
+                *((name, fn, None) for name, fn in raw_writes),
+                (
+                    "store",
+                    _tier_store(tier, keys, chunks, metrics, checksums),
+                    clear(tier, metrics),
+                ),
+                *((name, fn, None) for name, fn in raw_reads),
+                ("retrieve", _tier_retrieve(tier, keys, outs, metrics), None),
+            ],
+            repeat,
+        )
+    finally:
+        tier.close()
+    assert all(
+        torch.equal(o.view(torch.int16), c.view(torch.int16))
+        for o, c in zip(outs, chunks, strict=True)
+    )
+    return t
+
+
 def _disk(folder: Path, keys, chunks, outs, checksums, repeat: int) -> list[tuple[str, float]]:
     nbytes = sum(c.numel() * 2 for c in chunks)
     raw = folder / "raw"
@@ -122,28 +160,16 @@ def _disk(folder: Path, keys, chunks, outs, checksums, repeat: int) -> list[tupl
             with open(raw / f"{i}.bin", "rb", buffering=0) as f:
                 f.readinto(out.reshape(-1).view(torch.uint8).numpy().data)
 
-    metrics = LMCacheMetrics()
     tier = DiskTier(str(folder / "tier"), 4 * nbytes, write_queue_bytes=2 * nbytes)
-    try:
-        # The tier is cleared before each timed store: it does not rewrite what it holds.
-        t = _rounds(
-            [
-                ("raw write", raw_write, None),
-                (
-                    "store",
-                    _tier_store(tier, keys, chunks, metrics, checksums),
-                    clear(tier, metrics),
-                ),
-                ("raw read", raw_read, None),
-                ("retrieve", _tier_retrieve(tier, keys, outs, metrics), None),
-            ],
-            repeat,
-        )
-    finally:
-        tier.close()
-    assert all(
-        torch.equal(o.view(torch.int16), c.view(torch.int16))
-        for o, c in zip(outs, chunks, strict=True)
+    t = _time_tier(
+        tier,
+        keys,
+        chunks,
+        outs,
+        checksums,
+        [("raw write", raw_write)],
+        [("raw read", raw_read)],
+        repeat,
     )
     gb = nbytes / 1e9
     return [
@@ -193,29 +219,16 @@ def _redis(tmp: Path, keys, chunks, outs, checksums, repeat: int) -> list[tuple[
             for i, out in enumerate(outs):
                 out.reshape(-1).view(torch.uint8).numpy()[:] = memoryview(client.get(f"raw:{i}"))
 
-        metrics = LMCacheMetrics()
         tier = RedisTier(server.url, timeout=30.0, write_queue_bytes=2 * nbytes)
-        try:
-            t = _rounds(
-                [
-                    ("raw set 1", raw_set_single, None),
-                    ("raw set 8", raw_set_pipelined, None),
-                    (
-                        "store",
-                        _tier_store(tier, keys, chunks, metrics, checksums),
-                        clear(tier, metrics),
-                    ),
-                    ("raw get 1", raw_get_single, None),
-                    ("raw get 8", raw_get_pipelined, None),
-                    ("retrieve", _tier_retrieve(tier, keys, outs, metrics), None),
-                ],
-                repeat,
-            )
-        finally:
-            tier.close()
-        assert all(
-            torch.equal(o.view(torch.int16), c.view(torch.int16))
-            for o, c in zip(outs, chunks, strict=True)
+        t = _time_tier(
+            tier,
+            keys,
+            chunks,
+            outs,
+            checksums,
+            [("raw set 1", raw_set_single), ("raw set 8", raw_set_pipelined)],
+            [("raw get 1", raw_get_single), ("raw get 8", raw_get_pipelined)],
+            repeat,
         )
     # The ceiling is the faster of one command per chunk and pipelines of 8.
     ceiling_w = min(t["raw set 1"], t["raw set 8"])

@@ -112,6 +112,8 @@ def test_submodule_all_pinned() -> None:
         "RedisClusterServer",
         "RedisSentinel",
         "RedisServer",
+        "build_tiny_llama",
+        "make_prompt",
         "redis_server_path",
     ]
     assert sorted(lmcache.tiers.__all__) == [
@@ -124,6 +126,67 @@ def test_submodule_all_pinned() -> None:
         "reset_process_cpu_tiers",
         "tensor_checksum",
     ]
+
+
+SHIMS = {
+    "lmcache.integration.sglang.lmcache_mp_metadata": [
+        "LMCacheExternalFlow",
+        "LMCachePendingStore",
+    ],
+    "lmcache.integration.sglang.multi_process_adapter": ["LMCacheMPConnector"],
+    "lmcache.integration.sglang.sglang_adapter": [
+        "LMCacheLayerwiseConnector",
+        "LoadMetadata",
+        "StoreMetadata",
+    ],
+    "lmcache.integration.sglang.unified_lmcache_mp_connector": ["UnifiedLMCacheMPConnector"],
+    "lmcache.integration.sglang.utils": ["lmcache_get_config"],
+    "lmcache.integration.vllm.vllm_v1_adapter": ["LMCacheConnectorV1Impl"],
+}
+
+
+def test_integration_shims_without_their_adapter() -> None:
+    """Each engine-facing shim lists its names, imports nothing, and names the install command
+    when its adapter package is missing."""
+    result = _fresh_interpreter(
+        "import importlib, json, sys\n"
+        "sys.modules['lmcache_vllm'] = sys.modules['lmcache_sglang'] = None\n"
+        f"shims = {SHIMS!r}\n"
+        "out = {}\n"
+        "for name, names in shims.items():\n"
+        "    m = importlib.import_module(name)\n"
+        "    row = [m.__all__ == names, dir(m) == sorted(names)]\n"
+        "    try:\n"
+        "        getattr(m, names[0])\n"
+        "    except ImportError as exc:\n"
+        "        row.append(str(exc).split(' (could not import')[0])\n"
+        "    try:\n"
+        "        m.__path__\n"
+        "    except AttributeError:\n"
+        "        row.append('no dunder')\n"
+        "    out[name] = row\n"
+        "print(json.dumps(out))\n"
+    )
+    for name in SHIMS:
+        engine = name.split(".")[2]
+        hint = (
+            f"lmcache.integration.{engine} requires the lmcache-{engine} adapter: "
+            f'pip install "lmcache-core[{engine}]" (or pip install lmcache-{engine})'
+        )
+        assert result[name] == [True, True, hint, "no dunder"], name
+
+
+def test_tiny_model_imports_without_transformers() -> None:
+    result = _fresh_interpreter(
+        "import json, sys\n"
+        "from lmcache.testing import build_tiny_llama, make_prompt\n"
+        "from lmcache.testing.tiny_model import FIRST_WORD_ID\n"
+        "prompt = make_prompt(64, 3, vocab_size=50)\n"
+        "print(json.dumps({'transformers': 'transformers' in sys.modules,\n"
+        "    'ok': all(FIRST_WORD_ID <= t < 50 for t in prompt) and prompt == make_prompt(64, 3,\n"
+        "    vocab_size=50) and len(prompt) == 64}))\n"
+    )
+    assert result == {"transformers": False, "ok": True}
 
 
 def test_unknown_attribute_is_attribute_error() -> None:

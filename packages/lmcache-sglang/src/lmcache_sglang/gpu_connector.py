@@ -29,20 +29,13 @@ This module never imports SGLang.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmcache.gpu_connector.interface import (
-    ChunkTransfer,
-    EngineInfo,
-    GPUConnectorInterface,
-    KVLayoutError,
-    SupportsLayerwise,
-    TransferSpec,
-)
+from lmcache.gpu_connector.interface import ChunkTransfer, EngineInfo, KVLayoutError, TransferSpec
+from lmcache.gpu_connector.layer_range import LayerRangeConnector, engine_selector, moved_tokens
 
 if TYPE_CHECKING:
     from lmcache.config import LMCacheConfig
@@ -58,7 +51,7 @@ def _describe(t: torch.Tensor) -> str:
     return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')} strides {list(t.stride())}"
 
 
-class SGLangKVConnector(GPUConnectorInterface, SupportsLayerwise):
+class SGLangKVConnector(LayerRangeConnector):
     """Moves KV between SGLang's per-layer K/V (or MLA latent) pools and chunk buffers.
 
     Args:
@@ -114,7 +107,6 @@ class SGLangKVConnector(GPUConnectorInterface, SupportsLayerwise):
                         f"differs from layer 0 ({_describe(first)} on {self.device}); every "
                         "layer must hold the same slots on one device"
                     )
-        self._last_stream: Any = None
 
     # -- geometry ---------------------------------------------------------------------------
 
@@ -215,12 +207,7 @@ class SGLangKVConnector(GPUConnectorInterface, SupportsLayerwise):
         self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec, skip: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows in the concatenated chunks, device slots)`` of the tokens moved."""
-        idx = torch.cat([torch.arange(c.start, c.end) for c in chunks])
-        rows = torch.arange(idx.numel())
-        if skip > 0:
-            keep = idx >= skip
-            idx, rows = idx[keep], rows[keep]
-        slots = transfer.slot_mapping.to("cpu", torch.int64)[idx]
+        idx, rows, slots = moved_tokens(chunks, transfer, skip)
         if slots.numel():
             lo, hi = (int(x) for x in torch.aminmax(slots))
             if lo < 0:
@@ -236,18 +223,9 @@ class SGLangKVConnector(GPUConnectorInterface, SupportsLayerwise):
                 )
         return rows, slots.to(self.device)
 
-    def _stream_ctx(self, transfer: TransferSpec) -> Any:
-        if self.device.type == "cuda" and transfer.stream is not None:
-            transfer.stream.wait_stream(torch.cuda.current_stream(self.device))
-            return torch.cuda.stream(transfer.stream)
-        return contextlib.nullcontext()
-
-    # -- transfers --------------------------------------------------------------------------
+    # -- transfers: LayerRangeConnector runs from_gpu, to_gpu and the layerwise methods --------
 
     def _from(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        if not chunks:
-            return
-        self.check_chunks(chunks, transfer)
         _, slots = self._slots(chunks, transfer, 0)
         index = self._index(slots)
         n = slots.numel()
@@ -260,9 +238,6 @@ class SGLangKVConnector(GPUConnectorInterface, SupportsLayerwise):
                 start += c.num_tokens
 
     def _to(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        if not chunks:
-            return
-        self.check_chunks(chunks, transfer)
         rows, slots = self._slots(chunks, transfer, transfer.skip_tokens)
         if slots.numel() == 0:
             return
@@ -274,55 +249,9 @@ class SGLangKVConnector(GPUConnectorInterface, SupportsLayerwise):
                 self._scatter(layer, index, staging[i])
         self._last_stream = transfer.stream
 
-    def from_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        self._from(range(self.num_layers), chunks, transfer)
-
-    def to_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        self._to(range(self.num_layers), chunks, transfer)
-
-    def from_gpu_layer(
-        self, layer: int, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
-        self._from(range(layer, layer + 1), chunks, transfer)
-
-    def to_gpu_layer(
-        self, layer: int, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
-        self._to(range(layer, layer + 1), chunks, transfer)
-
-    def to_gpu_layers(
-        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
-        self._to(layers, chunks, transfer)
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            stream = self._last_stream or torch.cuda.current_stream(self.device)
-            stream.synchronize()
-
     def close(self) -> None:
         self._layers = []
 
 
-def select_cpu(
-    config: LMCacheConfig,
-    metadata: LMCacheMetadata,
-    engine: EngineInfo,
-    layout_hints: Mapping[str, Any] | None = None,
-) -> type[GPUConnectorInterface] | None:
-    """Selector for ``sglang.cpu`` (entry point ``lmcache.gpu_connectors``)."""
-    if engine.name != "sglang" or engine.device != "cpu":
-        return None
-    return SGLangKVConnector
-
-
-def select_cuda(
-    config: LMCacheConfig,
-    metadata: LMCacheMetadata,
-    engine: EngineInfo,
-    layout_hints: Mapping[str, Any] | None = None,
-) -> type[GPUConnectorInterface] | None:
-    """Selector for ``sglang.cuda`` (entry point ``lmcache.gpu_connectors``)."""
-    if engine.name != "sglang" or engine.device != "cuda":
-        return None
-    return SGLangKVConnector
+select_cpu = engine_selector("sglang", "cpu", SGLangKVConnector)
+select_cuda = engine_selector("sglang", "cuda", SGLangKVConnector)

@@ -36,21 +36,14 @@ This module never imports vLLM.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmcache.gpu_connector.interface import (
-    ChunkTransfer,
-    EngineInfo,
-    GPUConnectorInterface,
-    KVLayoutError,
-    SupportsLayerwise,
-    TransferSpec,
-)
+from lmcache.gpu_connector.interface import ChunkTransfer, EngineInfo, KVLayoutError, TransferSpec
+from lmcache.gpu_connector.layer_range import LayerRangeConnector, engine_selector, moved_tokens
 from lmcache_vllm.cpu_block_transfer import KtVBlockTransfer
 from lmcache_vllm.fused_transfer import FusedTransfer
 from lmcache_vllm.kv_formats import KV_FORMATS, describe, gather_layer, scatter_layer
@@ -69,7 +62,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface, SupportsLayerwise):
+class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, LayerRangeConnector):
     """Moves KV between vLLM's per-layer paged caches and canonical chunk buffers.
 
     Args:
@@ -138,7 +131,6 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface,
         self.num_blocks: int = int(self._caches[0].shape[0])
         self.device = first.device
         self._use_staging = bool(getattr(config, "gpu_staging_buffer", True))
-        self._last_stream: Any = None
         self._init_fused()
         # cpu_kt_v on a CPU engine: the block path (cpu_block_transfer), no staging.
         self._kt_v_blocks = self.kv_format == "cpu_kt_v" and self.device.type == "cpu"
@@ -227,12 +219,7 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface,
         self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec, skip: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(positions in the staging tensor, block ids, block offsets)`` of moved tokens."""
-        idx = torch.cat([torch.arange(c.start, c.end) for c in chunks])
-        pos = torch.arange(idx.numel())
-        if skip > 0:
-            keep = idx >= skip
-            idx, pos = idx[keep], pos[keep]
-        slots = transfer.slot_mapping.to("cpu", torch.int64)[idx]
+        idx, pos, slots = moved_tokens(chunks, transfer, skip)
         self._check_slots(slots, lambda: idx)
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
         offs = slots - blocks * self.block_size
@@ -256,14 +243,6 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface,
                 f"{self.block_size} tokens)"
             )
 
-    def _stream_ctx(self, transfer: TransferSpec) -> Any:
-        """Run on ``transfer.stream``, ordered after the work already queued on the current
-        stream (the engine's writes of the KV being saved, or its reads of the pages)."""
-        if self.device.type == "cuda" and transfer.stream is not None:
-            transfer.stream.wait_stream(torch.cuda.current_stream(self.device))
-            return torch.cuda.stream(transfer.stream)
-        return contextlib.nullcontext()
-
     def _staging(self, layers: int, num_tokens: int) -> torch.Tensor:
         where = self.device if self._use_staging else torch.device("cpu")
         return torch.empty((layers, num_tokens, self.kv_width), dtype=self.dtype, device=where)
@@ -273,34 +252,10 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface,
             stream = transfer.stream or torch.cuda.current_stream(self.device)
             stream.synchronize()
 
-    # -- GPUConnectorInterface ----------------------------------------------------------------
-
-    def from_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        self._from(range(self.num_layers), chunks, transfer)
-
-    def to_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        self._to(range(self.num_layers), chunks, transfer)
-
-    def from_gpu_layer(
-        self, layer: int, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
-        self._from(range(layer, layer + 1), chunks, transfer)
-
-    def to_gpu_layer(
-        self, layer: int, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
-        self._to(range(layer, layer + 1), chunks, transfer)
-
-    def to_gpu_layers(
-        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
-        """Several layers in one transfer (one strided op and merged DMAs on the fused path)."""
-        self._to(layers, chunks, transfer)
+    # -- transfers: LayerRangeConnector runs from_gpu, to_gpu and the layerwise methods --------
+    # (to_gpu_layers: one _to over the range, one strided op and merged DMAs on the fused path)
 
     def _from(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        if not chunks:
-            return
-        self.check_chunks(chunks, transfer)
         if self._kt_v_blocks:
             self._kt_v_from(layers, chunks, transfer)
             return
@@ -321,9 +276,6 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface,
         self._sync(transfer)
 
     def _to(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        if not chunks:
-            return
-        self.check_chunks(chunks, transfer)
         if self._kt_v_blocks:
             self._kt_v_to(layers, chunks, transfer)
             return
@@ -347,11 +299,6 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface,
                 self._scatter_layer(layer, blocks, offs, staging[i].index_select(0, pos))
         self._last_stream = transfer.stream
 
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            stream = self._last_stream or torch.cuda.current_stream(self.device)
-            stream.synchronize()
-
     def close(self) -> None:
         self._caches = []
         self._fused = None
@@ -360,29 +307,5 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, GPUConnectorInterface,
         self._pinned_lo_hi = None
 
 
-def _is_vllm(engine: EngineInfo) -> bool:
-    return engine.name == "vllm"
-
-
-def select_cpu(
-    config: LMCacheConfig,
-    metadata: LMCacheMetadata,
-    engine: EngineInfo,
-    layout_hints: Mapping[str, Any] | None = None,
-) -> type[GPUConnectorInterface] | None:
-    """Selector for ``vllm.cpu`` (entry point ``lmcache.gpu_connectors``)."""
-    if not _is_vllm(engine) or engine.device != "cpu":
-        return None
-    return VLLMPagedConnector
-
-
-def select_cuda(
-    config: LMCacheConfig,
-    metadata: LMCacheMetadata,
-    engine: EngineInfo,
-    layout_hints: Mapping[str, Any] | None = None,
-) -> type[GPUConnectorInterface] | None:
-    """Selector for ``vllm.cuda`` (entry point ``lmcache.gpu_connectors``)."""
-    if not _is_vllm(engine) or engine.device != "cuda":
-        return None
-    return VLLMPagedConnector
+select_cpu = engine_selector("vllm", "cpu", VLLMPagedConnector)
+select_cuda = engine_selector("vllm", "cuda", VLLMPagedConnector)

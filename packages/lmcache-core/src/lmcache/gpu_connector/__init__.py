@@ -7,6 +7,8 @@
 - :mod:`~lmcache.gpu_connector.gpu_ops`: host <-> device copies and injectable device ops.
 - :mod:`~lmcache.gpu_connector.reference`: pure-torch paged gather/scatter (fallback + oracle).
 - :mod:`~lmcache.gpu_connector.utils`: device helpers.
+- :mod:`~lmcache.gpu_connector.layer_range`: what slot-mapped connectors share (the
+  :class:`LayerRangeConnector` base, :func:`moved_tokens`, :func:`engine_selector`).
 
 Names are imported lazily; nothing here imports an engine.
 """

@@ -9,8 +9,12 @@
 - :class:`~lmcache.testing.redis_server.RedisServer`, ``RedisClusterServer``,
   ``RedisSentinel``: real ``redis-server`` processes on 127.0.0.1 for tier tests
   (:func:`~lmcache.testing.redis_server.redis_server_path` is ``None`` where none is installed).
+- :func:`~lmcache.testing.tiny_model.build_tiny_llama`,
+  :func:`~lmcache.testing.tiny_model.make_prompt`: a tiny random Llama (and its word-level
+  tokenizer) written with ``transformers`` at test time, and prompts for it (re-exported by
+  ``lmcache_vllm.testing`` and ``lmcache_sglang.testing``).
 
-Imported lazily, so ``import lmcache.testing`` does not import pytest.
+Imported lazily, so ``import lmcache.testing`` does not import pytest (nor ``transformers``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ if TYPE_CHECKING:
         RedisServer,
         redis_server_path,
     )
+    from lmcache.testing.tiny_model import build_tiny_llama, make_prompt
 
 _LAZY: dict[str, str] = {
     "GPUConnectorConformance": "lmcache.testing.conformance",
@@ -35,6 +40,8 @@ _LAZY: dict[str, str] = {
     "RedisSentinel": "lmcache.testing.redis_server",
     "RedisServer": "lmcache.testing.redis_server",
     "redis_server_path": "lmcache.testing.redis_server",
+    "build_tiny_llama": "lmcache.testing.tiny_model",
+    "make_prompt": "lmcache.testing.tiny_model",
 }
 
 __all__ = [
@@ -43,6 +50,8 @@ __all__ = [
     "RedisClusterServer",
     "RedisSentinel",
     "RedisServer",
+    "build_tiny_llama",
+    "make_prompt",
     "redis_server_path",
 ]
 

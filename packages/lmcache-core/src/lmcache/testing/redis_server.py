@@ -35,10 +35,11 @@ import subprocess
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
+from typing import BinaryIO, Self, TypeVar
 from urllib.parse import quote
 
 __all__ = [
@@ -51,6 +52,8 @@ __all__ = [
 ]
 
 HOST = "127.0.0.1"
+
+_T = TypeVar("_T")
 
 
 def redis_server_path() -> str | None:
@@ -169,7 +172,49 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-class RedisServer:
+class _Started(ABC):
+    """Context manager: :meth:`start` on enter (:meth:`cleanup` if that fails), :meth:`cleanup`
+    on exit."""
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def cleanup(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()
+
+
+def _wait_for(
+    probe: Callable[[], _T], done: Callable[[_T], bool], timeout: float, what: str
+) -> None:
+    """Call ``probe`` every 50 ms until ``done(result)``; after ``timeout`` s raise
+    ``RuntimeError(f"{what}: {result!r}")``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = probe()
+        if done(found):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: {found!r}")
+        time.sleep(0.05)
+
+
+class RedisServer(_Started):
     """A real ``redis-server`` on ``127.0.0.1`` (context manager: started on enter).
 
     Args:
@@ -336,24 +381,8 @@ class RedisServer:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
 
-    def __enter__(self) -> RedisServer:
-        try:
-            self.start()
-        except BaseException:
-            self.cleanup()
-            raise
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()
-
-
-class RedisClusterServer:
+class RedisClusterServer(_Started):
     """A Redis Cluster of ``masters`` masters (no replicas) on ``127.0.0.1`` (context manager).
 
     Args:
@@ -398,14 +427,12 @@ class RedisClusterServer:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
         if done.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout}{done.stderr}")
-        deadline = time.monotonic() + timeout
-        while True:
-            states = [n.command("CLUSTER", "INFO") for n in self.nodes]
-            if all(isinstance(s, bytes) and b"cluster_state:ok" in s for s in states):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"cluster did not reach cluster_state:ok: {states!r}")
-            time.sleep(0.05)
+        _wait_for(
+            lambda: [n.command("CLUSTER", "INFO") for n in self.nodes],
+            lambda states: all(isinstance(s, bytes) and b"cluster_state:ok" in s for s in states),
+            timeout,
+            "cluster did not reach cluster_state:ok",
+        )
 
     def stop(self) -> None:
         """Stop every node (their folders stay until :meth:`cleanup`)."""
@@ -417,24 +444,8 @@ class RedisClusterServer:
         for node in self.nodes:
             node.cleanup()
 
-    def __enter__(self) -> RedisClusterServer:
-        try:
-            self.start()
-        except BaseException:
-            self.cleanup()
-            raise
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()
-
-
-class RedisSentinel:
+class RedisSentinel(_Started):
     """A Sentinel (``redis-server --sentinel``) watching ``master`` (context manager).
 
     Args:
@@ -461,31 +472,13 @@ class RedisSentinel:
     def start(self, timeout: float = 10.0) -> None:
         """Start the sentinel and wait until it names the master."""
         self.server.start(timeout)
-        deadline = time.monotonic() + timeout
-        while True:
-            found = self.server.command("SENTINEL", "get-master-addr-by-name", self.service)
-            if found == [HOST.encode(), str(self.master.port).encode()]:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"sentinel does not know the master: {found!r}")
-            time.sleep(0.05)
+        _wait_for(
+            lambda: self.server.command("SENTINEL", "get-master-addr-by-name", self.service),
+            lambda found: found == [HOST.encode(), str(self.master.port).encode()],
+            timeout,
+            "sentinel does not know the master",
+        )
 
     def cleanup(self) -> None:
         """Stop the sentinel and remove its folder."""
         self.server.cleanup()
-
-    def __enter__(self) -> RedisSentinel:
-        try:
-            self.start()
-        except BaseException:
-            self.cleanup()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()

@@ -10,36 +10,8 @@ raises ``ImportError`` with the install command when that package is missing.
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
-from typing import Any
-
-_TARGET = "lmcache_sglang.mp_connector"
-_INSTALL_HINT = (
-    "lmcache.integration.sglang requires the lmcache-sglang adapter: "
-    'pip install "lmcache-core[sglang]" (or pip install lmcache-sglang)'
-)
+from lmcache.integration._forward import forward_to
 
 __all__ = ["UnifiedLMCacheMPConnector"]  # noqa: F822 - lazy, see __getattr__
 
-
-def _target() -> ModuleType:
-    try:
-        return importlib.import_module(_TARGET)
-    except ImportError as exc:
-        if exc.name is not None and not exc.name.startswith("lmcache_sglang"):
-            raise
-        raise ImportError(f"{_INSTALL_HINT} (could not import {_TARGET}: {exc})") from exc
-
-
-def __getattr__(name: str) -> Any:
-    if name.startswith("__"):
-        raise AttributeError(name)
-    try:
-        return getattr(_target(), name)
-    except AttributeError:
-        raise AttributeError(f"{_TARGET} has no attribute {name!r}") from None
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = forward_to("lmcache_sglang.mp_connector", __all__)
