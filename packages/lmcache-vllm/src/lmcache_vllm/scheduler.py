@@ -17,6 +17,11 @@ Per request:
 2. :meth:`SchedulerSide.update_state_after_alloc` then :meth:`SchedulerSide.build_connector_meta`:
    records what to load (``[vllm_cached, load_end)``) and what to save (tokens computed this
    step that are not saved yet) in plain dataclasses pickled to the workers.
+   With a disk or remote tier configured, a lookup may read chunks from them before it can
+   promise anything (they are leased only once in host memory), which can take longer than a
+   scheduler step: the lookup then runs on a background thread and the method returns ``None``
+   (vLLM's "ask again later") until the answer is in, so the scheduler never waits for a disk or
+   a network.
 3. :meth:`SchedulerSide.request_finished`: forgets the request. vLLM frees its blocks at once:
    saves are asynchronous, but every worker step first waits until queued saves have copied
    their pages (:mod:`lmcache_vllm.save_queue`), so a freed block is never rewritten while a
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
@@ -44,6 +50,11 @@ from lmcache_vllm.request_keys import RequestKey, RequestKeyer
 __all__ = ["SchedulerSide", "engine_key"]
 
 logger = logging.getLogger(__name__)
+
+ASYNC_LOOKUP_TIMEOUT_S = 30.0
+"""Deadline of one asynchronous lookup (disk / remote tiers): it runs off the scheduler thread,
+so it may read a long prompt's chunks from a slow disk or network; a rank that misses it is a
+miss."""
 
 _T = TypeVar("_T")
 
@@ -86,6 +97,10 @@ class SchedulerSide:
         self.world_size = world_size
         self._keyer = RequestKeyer(self.chunk_size)
         self._lookup_client: LookupClient | None = None
+        # Lookups that may read the disk / remote tier run off the scheduler thread.
+        self.async_lookups = config.local_disk is not None or config.remote_url is not None
+        self._lookups: dict[str, Future[int]] = {}
+        self._lookup_pool: ThreadPoolExecutor | None = None
         self._load_specs: dict[str, LoadSpec] = {}
         self._trackers: dict[str, Tracker] = {}
         self._requests: dict[str, Any] = {}
@@ -136,7 +151,11 @@ class SchedulerSide:
 
     def _client(self) -> LookupClient:
         if self._lookup_client is None:
-            self._lookup_client = LookupClient(self.engine_key, self.world_size)
+            self._lookup_client = LookupClient(
+                self.engine_key,
+                self.world_size,
+                timeout_s=ASYNC_LOOKUP_TIMEOUT_S if self.async_lookups else 1.0,
+            )
         return self._lookup_client
 
     def _key(self, request: Any) -> RequestKey:
@@ -152,15 +171,16 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ vLLM entry points
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         """Tokens lmcache can load beyond the ``num_computed_tokens`` vLLM holds (0 on any
-        failure)."""
+        failure); ``None`` while an asynchronous lookup (disk / remote tiers) is in flight."""
         rid = str(getattr(request, "request_id", "?"))
+        miss: int | None = 0
         return self._guard(
-            "lookup", rid, 0, lambda: self._matched(request, rid, num_computed_tokens)
+            "lookup", rid, miss, lambda: self._matched(request, rid, num_computed_tokens)
         )
 
-    def _matched(self, request: Any, rid: str, num_computed_tokens: int) -> int:
+    def _matched(self, request: Any, rid: str, num_computed_tokens: int) -> int | None:
         self._load_specs.pop(rid, None)
         if not self.loads_enabled:
             return 0
@@ -168,8 +188,20 @@ class SchedulerSide:
         tokens = list(request.prompt_token_ids or [])
         if key.skip_reason is not None or not tokens:
             return 0
-        query = LookupQuery(rid, tokens, key.salt, _extra_for(key.extra_keys, len(tokens), self))
-        hit = self._client().lookup(query)
+        pending = self._lookups.pop(rid, None)
+        if pending is not None and not pending.done():
+            self._lookups[rid] = pending
+            return None  # vLLM asks again at a later step
+        if pending is not None:
+            hit = pending.result()  # LookupClient.lookup never raises
+        else:
+            query = LookupQuery(
+                rid, tokens, key.salt, _extra_for(key.extra_keys, len(tokens), self)
+            )
+            if self.async_lookups:
+                self._lookups[rid] = self._pool().submit(self._client().lookup, query)
+                return None
+            hit = self._client().lookup(query)
         # vLLM must compute >= 1 token, and a hit ends on a block boundary like vLLM's own
         # prefix-cache hits: some CPU attention kernels (AMX) round differently when a prefill
         # starts mid-block, so a mid-block hit could change greedy output versus no cache.
@@ -328,7 +360,13 @@ class SchedulerSide:
             )
         )
 
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._lookup_pool is None:
+            self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="lmcache-lookup")
+        return self._lookup_pool
+
     def _forget(self, rid: str) -> Tracker | None:
+        self._lookups.pop(rid, None)  # an answer still in flight is dropped unread
         self._requests.pop(rid, None)
         self._load_specs.pop(rid, None)
         self._keys.pop(rid, None)
@@ -353,6 +391,10 @@ class SchedulerSide:
 
     def close(self) -> None:
         """Close the lookup connections (idempotent)."""
+        self._lookups.clear()
+        if self._lookup_pool is not None:
+            self._lookup_pool.shutdown(wait=False, cancel_futures=True)
+            self._lookup_pool = None
         if self._lookup_client is not None:
             self._lookup_client.close()
             self._lookup_client = None

@@ -159,9 +159,10 @@ class LMCacheConnectorV1Impl:
 
     # ------------------------------------------------------------------ scheduler side
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens lmcache loads beyond ``num_computed_tokens`` (an ``int``: vLLM's in-tree
-        wrapper adds the ``load_async=False`` flag)."""
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+        """Tokens lmcache loads beyond ``num_computed_tokens`` (vLLM's in-tree wrapper adds the
+        ``load_async=False`` flag); ``None`` while a disk / remote lookup is in flight (vLLM
+        asks again at a later step)."""
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:

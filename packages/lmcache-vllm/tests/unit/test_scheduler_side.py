@@ -243,3 +243,30 @@ def test_ranks_on_other_nodes_turn_loads_off_with_one_clear_line(caplog):
     local = SchedulerSide(cfg, LMCacheConfig(chunk_size=CHUNK), world_size=4, local_world_size=4)
     local._lookup_client = FakeClient(256)  # control: all ranks on this node
     assert local.get_num_new_matched_tokens(request("x", list(range(300))), 0) == 256
+
+
+def test_lookups_that_may_read_lower_tiers_never_block_the_scheduler():
+    """With a disk or remote tier the lookup runs off the scheduler thread: ``None`` (vLLM's
+    "ask again later") until the ranks answer, then the same numbers as a synchronous lookup."""
+    import threading
+
+    impl, _ = make_impl(hit=192, local_disk="/nonexistent/lmcache", max_local_disk_size=1.0)
+    client = impl.scheduler._lookup_client
+    gate = threading.Event()
+    answer = client.lookup
+    client.lookup = lambda query: (gate.wait(10), answer(query))[1]
+    req = request("a", list(range(300)))
+    assert impl.get_num_new_matched_tokens(req, 64) is None
+    assert impl.get_num_new_matched_tokens(req, 64) is None  # in flight: not asked twice
+    gate.set()
+    impl.scheduler._lookups["a"].result(10)
+    assert impl.get_num_new_matched_tokens(req, 64) == 128  # 192 found, vLLM holds 64
+    assert len(client.queries) == 1
+    # A request that finishes while its lookup is in flight is forgotten with it.
+    gate.clear()
+    other = request("b", list(range(300)))
+    assert impl.get_num_new_matched_tokens(other, 0) is None
+    impl.request_finished(other, [])
+    assert "b" not in impl.scheduler._lookups
+    gate.set()
+    impl.scheduler.close()
