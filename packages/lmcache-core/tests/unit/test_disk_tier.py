@@ -277,6 +277,27 @@ def _python(code: str) -> list[str]:
     return [sys.executable, "-c", prelude + code]
 
 
+def test_tiers_sharing_a_folder_see_each_others_new_chunks(
+    tmp_path: Path, pool: HostMemoryPool, metrics: LMCacheMetrics
+) -> None:
+    """Two engines (processes) on one folder: chunks one writes after the other started are
+    found and read, verified, by the other; a file deleted meanwhile is a clean miss."""
+    reader = _tier(tmp_path, 8 * FILE_BYTES)
+    writer = _tier(tmp_path, 8 * FILE_BYTES)
+    keys = [_key(i) for i in range(3)]
+    for key in keys:
+        _store(writer, pool, metrics, key)
+    assert writer.flush(10)
+    assert len(reader) == 0  # started before the writes
+    assert reader.contains(FP, [*keys, _key(7)], metrics) == [True, True, True, False]
+    done, outs = _load(reader, metrics, keys)
+    assert done == 3
+    assert all(_same_bits(o, _values(k, SHAPE, DTYPE)) for k, o in zip(keys, outs, strict=True))
+    (tmp_path / FP.hex() / f"{keys[0].hex()}.lmc").unlink()  # the writer evicted it
+    assert _load(reader, metrics, keys)[0] == 0
+    assert metrics.value("checksum_failures") == 0
+
+
 def test_restart_finds_the_entries_in_lru_order(
     tmp_path: Path, pool: HostMemoryPool, metrics: LMCacheMetrics
 ) -> None:

@@ -49,9 +49,11 @@ with ``O_DIRECT`` and a shorter tail through the page cache. Measured on cold 32
 buffered, so unaligned buffers are read buffered. A filesystem that refuses ``O_DIRECT``
 (``EINVAL``) turns it off for the tier.
 
-One tier instance should own a folder: several processes may share one (e.g. one per
-tensor-parallel rank: their fingerprints, hence subfolders, differ), but each keeps its own index
-and quota, so each may evict the others' files (a miss for them, never a wrong read).
+Several processes may share one folder (engines of one model on one machine, or one per
+tensor-parallel rank: their fingerprints, hence subfolders, differ). A chunk another process
+wrote after this tier started is indexed when a lookup first asks for it (header and size
+checked; payload verified on read). Each process keeps its own quota, so each may evict the
+others' files (a miss for them, never a wrong read).
 """
 
 from __future__ import annotations
@@ -436,7 +438,26 @@ class DiskTier(LowerTier):
 
     def _exists(self, fingerprint: bytes, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
-            return [(fingerprint, key) in self._index for key in keys]
+            found = [(fingerprint, key) in self._index for key in keys]
+        for i, key in enumerate(keys):
+            if not found[i]:
+                found[i] = self._adopt((fingerprint, key))
+        return found
+
+    def _adopt(self, ident: _Ident) -> bool:
+        """Index a chunk file another process wrote into the folder since this tier started
+        (engines sharing one folder see each other's chunks). Its header and size are checked
+        as at start; the payload is verified when it is read. A missing or bad file is ``False``
+        (a bad one is deleted when read, or at the next start)."""
+        try:
+            size, mtime = self._check_file(self._file(*ident), ident)
+        except (CorruptChunk, OSError):
+            return False
+        with self._lock:
+            if ident not in self._index:
+                self._index[ident] = (size, mtime)
+                self._used += size
+        return True
 
     def _read_into(
         self, fingerprint: bytes, requests: Sequence[ReadRequest]
