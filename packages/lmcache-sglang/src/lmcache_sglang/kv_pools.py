@@ -194,7 +194,8 @@ def build_metadata(
     quantization: str = "",
     kv_cache_dtype: str = "",
 ) -> LMCacheMetadata:
-    """Metadata of a pool; chunks are SGLang pages (``chunk_size = page_size``).
+    """Metadata of a pool whose chunks hold ``page_size`` tokens (an SGLang page for the page
+    hooks; lmcache's ``chunk_size`` for ``--enable-lmcache``).
 
     MLA caches are the same on every tensor-parallel rank, so MLA metadata records rank 0 of 1
     (ranks share the pages); MHA records this rank, so ranks never read each other's heads.

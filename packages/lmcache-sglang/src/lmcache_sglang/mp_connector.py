@@ -45,11 +45,10 @@ from lmcache.cache_engine import LMCacheEngine
 from lmcache.config import CONFIG_FILE_ENV, ENV_PREFIX, ConfigError, LMCacheConfig, load_config
 from lmcache.gpu_connector import CreateGPUConnector
 from lmcache.gpu_connector.interface import TransferSpec
-from lmcache.metadata import LMCacheMetadata
 from lmcache.metrics import LMCacheMetrics
 from lmcache.tiers import process_cpu_tier
 from lmcache_sglang.hook_config import LMCACHE_DAEMON_KEYS, model_facts, strip_daemon_keys
-from lmcache_sglang.kv_pools import device_pool_layers
+from lmcache_sglang.kv_pools import build_metadata, device_pool_layers
 from lmcache_sglang.mp_metadata import LoadOp, LookupOp, StoreOp
 
 __all__ = ["UnifiedLMCacheMPConnector", "lmcache_config_for_sglang"]
@@ -174,20 +173,12 @@ class UnifiedLMCacheMPConnector:
         except Exception:
             facts = model_facts(model_config)
         layers = device_pool_layers(allocator.get_kvcache(), self.page_size)
-        world, rank = (1, 0) if layers.use_mla else (self.tp_size, self.tp_rank)
-        metadata = LMCacheMetadata(
+        metadata = build_metadata(
+            layers,
             model_name=facts.model_name + (f"#pp{pp_rank}" if pp_rank else ""),
-            world_size=world,
-            worker_id=rank,
-            local_worker_id=0,
-            local_world_size=1,
-            kv_dtype=layers.dtype,
-            num_layers=len(layers.kv_caches),
-            num_kv_heads=layers.num_kv_heads,
-            head_size_k=layers.head_size_k,
-            head_size_v=layers.head_size_v,
-            use_mla=layers.use_mla,
-            chunk_size=self.chunk_size,
+            page_size=self.chunk_size,
+            world_size=self.tp_size,
+            rank=self.tp_rank,
             model_revision=facts.model_revision,
             quantization=facts.quantization,
             kv_cache_dtype=facts.kv_cache_dtype,
@@ -207,8 +198,8 @@ class UnifiedLMCacheMPConnector:
         logger.info(
             "lmcache (--enable-lmcache, in process): model=%s rank=%d/%d chunk=%d layers=%d",
             metadata.model_name,
-            rank,
-            world,
+            metadata.worker_id,
+            metadata.world_size,
             self.chunk_size,
             metadata.num_layers,
         )
