@@ -151,14 +151,9 @@ class LMCacheEngine:
         )
         self._closed = False
         self._close_lock = threading.Lock()
-        full_chunk = self._chunk_shape(self.chunk_size)
-        self._chunk_bytes = (
-            full_chunk[0] * full_chunk[1] * full_chunk[2] * metadata.kv_dtype.itemsize
-        )
+        layers, tokens, width = self._chunk_shape(self.chunk_size)
         for lower in self.lower_tiers:
-            check_quota = getattr(lower, "check_quota", None)
-            if check_quota is not None:
-                check_quota(self._chunk_bytes)
+            lower.check_quota(layers * tokens * width * metadata.kv_dtype.itemsize)
         self.gpu_connector: GPUConnectorInterface | None = None
         if gpu_connector is not None:
             self.set_gpu_connector(gpu_connector)

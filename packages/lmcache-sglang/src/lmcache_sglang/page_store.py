@@ -134,9 +134,7 @@ class PageStore:
         page_bytes = metadata.num_layers * self.page_size * metadata.kv_width
         page_bytes *= metadata.kv_dtype.itemsize
         for lower in self.lower_tiers:
-            check_quota = getattr(lower, "check_quota", None)
-            if check_quota is not None:
-                check_quota(page_bytes)
+            lower.check_quota(page_bytes)
         if not config.local_cpu and not self.lower_tiers:
             logger.info("PageStore: local_cpu=False and no other tier: nothing is stored.")
         self._seed = (

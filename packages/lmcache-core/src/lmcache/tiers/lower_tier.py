@@ -120,6 +120,12 @@ class LowerTier(ABC):
 
     # ------------------------------------------------------------------ public API
 
+    def check_quota(self, chunk_bytes: int) -> None:
+        """Raise :class:`~lmcache.config.ConfigError` when this tier cannot hold one chunk of
+        ``chunk_bytes`` (engines call it at start). No limit here; a tier with a quota
+        overrides it."""
+        del chunk_bytes  # no quota: any chunk fits
+
     def _error(self, action: str, exc: BaseException, metrics: LMCacheMetrics) -> None:
         metrics.tier_errors.inc()
         if action not in self._logged:
