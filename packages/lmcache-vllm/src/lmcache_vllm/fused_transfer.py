@@ -203,52 +203,75 @@ class FusedTransfer:
     def _init_fused(self) -> None:
         # Fused all-layer view (see _setup_fused); None -> the per-layer path.
         self._fused: torch.Tensor | None = None
+        self._fused_layers: list[torch.Tensor] | None = None  # one view per layer instead
+        self._fused_ref: torch.Tensor | None = None  # _fused, or layer 0's view
+        self._fused_lead = 1  # leading (layer) axes of _fused_ref
         self._fused_split = False  # head_k != head_v: rows are [heads, K||V], split on copy
         self._fused_by_slot = False  # _fused is [L, slots, *row], else [L, B, N, *row]
         self._layer_ids = torch.empty(0, dtype=torch.int64)
         self._all_layers = self._layer_ids
         self._copy_stream_obj: Any = None
         # Persistent pinned host buffers (CUDA): index upload and the slot-range answer.
-        self._pinned_idx: torch.Tensor | None = None
-        self._pinned_idx_done: Any = None  # event: the last upload from _pinned_idx finished
+        self._pinned_idx: list[list[Any]] = []  # ring of [pinned int64 buffer, upload event]
         self._pinned_lo_hi: torch.Tensor | None = None
 
     def _setup_fused(self) -> None:
-        """Build ``self._fused``: every layer at once, indexed ``[layer, block, offset]``.
+        """Build the indexed views of the fused path, ``[..., slot, *row]`` (or ``[..., block,
+        offset, *row]``): ``self._fused`` over every layer at once when the layers are views of
+        one buffer with a uniform step, else ``self._fused_layers``, one view per layer (vLLM
+        versions that allocate each layer's cache separately), when all layers share strides.
 
-        ``mla``: ``[L, B, N, latent]``. ``kv_concat``: ``[L, B, N, 2, H, head]`` when K and V
-        heads are equal (so one gathered row is already the canonical ``[all K, all V]``),
-        else ``[L, B, N, H, head_k + head_v]``. Rows are widened to 16-byte elements when the
-        strides allow (same bytes, fewer elements for the index kernels), and ``B, N`` merge
-        into one slot axis when their strides allow (FlashAttention's LBNHC, MLA).
+        ``mla``: ``[B, N, latent]``. ``kv_concat``: ``[B, N, 2, H, head]`` when K and V heads are
+        equal (so one gathered row is already the canonical ``[all K, all V]``), else ``[B, N,
+        H, head_k + head_v]``. Rows are widened to 16-byte elements when the strides allow (same
+        bytes, fewer elements for the index kernels), and ``B, N`` merge into one slot axis
+        when their strides allow (FlashAttention's LBNHC, MLA).
         """
+        md = self.metadata
+        self._fused_split = self.kv_format != "mla" and md.head_size_k != md.head_size_v
         fused = fuse_layers(self._caches)
-        if fused is None:
+        if fused is not None:
+            self._fused = self._row_view(fused, 1)
+            self._fused_ref = self._fused
+            self._fused_lead = 1
+            self._layer_ids = torch.arange(self.num_layers, dtype=torch.int64, device=self.device)
+            self._all_layers = self._layer_ids.view(1, -1, 1)
+            return
+        first = self._caches[0]
+        if any(t.stride() != first.stride() for t in self._caches[1:]):
             logger.info(
-                "lmcache: vLLM KV layers are not views of one buffer with a uniform step "
-                "(layer 0: %s); gathering layer by layer",
-                describe(self._caches[0]),
+                "lmcache: vLLM KV layers differ in strides (layer 0: %s); gathering layer by "
+                "layer, token by token",
+                describe(first),
             )
             return
+        self._fused_layers = [self._row_view(t, 0) for t in self._caches]
+        self._fused_ref = self._fused_layers[0]
+        self._fused_lead = 0
+
+    def _row_view(self, t: torch.Tensor, lead: int) -> torch.Tensor:
+        """``t`` (``[*lead, B, H, N, C]``, MLA ``[*lead, B, N, D]``) as ``[*lead, slots, *row]``
+        or ``[*lead, B, N, *row]`` with canonical rows (see :meth:`_setup_fused`)."""
         md = self.metadata
-        if self.kv_format == "mla":
-            view = fused  # [L, B, N, D]
-        else:
-            view = fused.permute(0, 1, 3, 2, 4)  # [L, B, N, H, C]
-            if md.head_size_k == md.head_size_v:
-                view = view.unflatten(-1, (2, md.head_size_k)).transpose(3, 4)  # type: ignore[no-untyped-call]
-            else:
-                self._fused_split = True
+        view = t
+        if self.kv_format != "mla":
+            view = view.transpose(-3, -2)  # [*lead, B, N, H, C]
+            if not self._fused_split:
+                view = view.unflatten(-1, (2, md.head_size_k)).transpose(-3, -2)  # type: ignore[no-untyped-call]
         if not self._fused_split:
-            view = _widen(view, self.kv_width * fused.element_size())
-        try:  # [L, slots, *row]: one index per token instead of (block, offset)
-            view = view.view(view.shape[0], -1, *view.shape[3:])
-            self._fused_by_slot = True
+            view = _widen(view, self.kv_width * t.element_size())
+        try:  # [*lead, slots, *row]: one index per token instead of (block, offset)
+            merged = view.view(*view.shape[:lead], -1, *view.shape[lead + 2 :])
         except RuntimeError:  # blocks and offsets do not merge (e.g. LBHNC)
-            pass
-        self._fused = view
-        self._layer_ids = torch.arange(self.num_layers, dtype=torch.int64, device=self.device)
-        self._all_layers = self._layer_ids.view(1, -1, 1)
+            self._fused_by_slot = False
+            return view
+        self._fused_by_slot = True
+        return merged
+
+    @property
+    def _fused_any(self) -> bool:
+        """Whether the fused path (one view, or one view per layer) is set up."""
+        return self._fused is not None or self._fused_layers is not None
 
     # -- fused path: all layers per op, chunk-major staging ------------------------------------
 
@@ -382,8 +405,10 @@ class FusedTransfer:
         if slots.device.type == "cpu" or self.device.type == "cpu":
             slots = slots.to("cpu", torch.int64)
             self._check_slots(slots if kept_pos is None else slots[kept_pos], token_ids)
+            slot: list[Any] | None = None
             if self.device.type == "cuda":
-                idx = self._pinned_indices(rows * plan.total).view(rows, plan.total)
+                slot = self._pinned_slot(rows * plan.total)
+                idx = slot[0][: rows * plan.total].view(rows, plan.total)
             else:
                 idx = torch.empty((rows, plan.total), dtype=torch.int64)
             if rows == 1:
@@ -394,8 +419,9 @@ class FusedTransfer:
             if self.device.type != "cuda":
                 return idx, lambda: None
             on_dev = idx.to(self.device, non_blocking=True)
-            self._pinned_idx_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._pinned_idx_done.record()
+            assert slot is not None
+            slot[1] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            slot[1].record()
             return on_dev, lambda: None
         slots = slots.to(self.device, torch.int64)
         on_dev = kept_pos.to(self.device) if isinstance(kept_pos, torch.Tensor) else kept_pos
@@ -422,33 +448,47 @@ class FusedTransfer:
 
         return idx, check
 
-    def _pinned_indices(self, numel: int) -> torch.Tensor:
-        """``[numel]`` int64 view of the persistent pinned index buffer (grown on demand).
+    pinned_ring: int = 8
+    """Pinned index buffers kept for reuse (CUDA)."""
 
-        Allocating pinned memory costs ~0.2 ms a call; the buffer is reused instead, after the
-        previous call's upload from it has finished (normally long done: no wait)."""
-        buf = self._pinned_idx
-        if buf is None or buf.numel() < numel:
-            if self._pinned_idx_done is not None:  # the old buffer may still be uploading
-                self._pinned_idx_done.synchronize()
-            size = max(numel, 2 * buf.numel() if buf is not None else 1 << 12)
-            buf = self._pinned_idx = torch.empty(size, dtype=torch.int64, pin_memory=True)
-        elif self._pinned_idx_done is not None:
-            self._pinned_idx_done.synchronize()
-        self._pinned_idx_done = None
-        return buf[:numel]
+    def _pinned_slot(self, numel: int) -> list[Any]:
+        """A ``[pinned int64 buffer of at least numel, None]`` ring slot whose last upload has
+        finished; the caller records its new upload's event in slot ``[1]``.
+
+        Allocating pinned memory costs ~0.2 ms a call, so buffers are reused. A buffer whose
+        upload is still queued (a deferred store waits for the step's compute before its index
+        upload runs) is skipped rather than waited for; only with the whole ring busy does this
+        wait, for the oldest.
+        """
+        ring = self._pinned_idx
+        for slot in ring:
+            if slot[1] is None or slot[1].query():
+                if slot[0].numel() < numel:
+                    slot[0] = torch.empty(max(numel, 2 * slot[0].numel()), dtype=torch.int64,
+                                          pin_memory=True)  # fmt: skip
+                slot[1] = None
+                ring.remove(slot)
+                ring.append(slot)  # most recently used last: the first busy one is the oldest
+                return slot
+        if len(ring) >= self.pinned_ring:
+            slot = ring.pop(0)
+            slot[1].synchronize()
+            if slot[0].numel() < numel:
+                slot[0] = torch.empty(numel, dtype=torch.int64, pin_memory=True)
+        else:
+            slot = [torch.empty(max(numel, 1 << 12), dtype=torch.int64, pin_memory=True), None]
+        slot[1] = None
+        ring.append(slot)
+        return slot
 
     def _op_views(
         self, plan: _Plan, staging: torch.Tensor, layers: range, idx: torch.Tensor, op: _Op
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """``(index tensors, staging view [g, layers, n - t0, *row])`` of one op."""
-        assert self._fused is not None
+        """``(token index tensors [g, 1, n - t0] each, staging view [g, layers, n - t0, *row])``
+        of one op."""
+        ref = self._fused_ref
+        assert ref is not None
         nl = op.l1 - op.l0
-        if nl == self.num_layers:
-            lids = self._all_layers
-        else:
-            a = layers.start + op.l0
-            lids = self._layer_ids[a : a + nl].view(1, -1, 1)
         tok = idx[:, op.pos : op.pos + op.g * op.n]
         if op.t0:
             tok = tok.view(-1, op.g, op.n)[:, :, op.t0 :]
@@ -458,12 +498,19 @@ class FusedTransfer:
         if self._fused_split:
             view = region.view(self.dtype).view(op.g, nl, op.n, self.kv_width)
         else:
-            fused = self._fused
-            row = fused.shape[2:] if self._fused_by_slot else fused.shape[3:]
-            view = region.view(fused.dtype).view(op.g, nl, op.n, *row)
+            skip = self._fused_lead + (1 if self._fused_by_slot else 2)
+            view = region.view(ref.dtype).view(op.g, nl, op.n, *ref.shape[skip:])
         if op.t0:
             view = view[:, :, op.t0 :]
-        return [lids, *tok.unbind(0)], view
+        return list(tok.unbind(0)), view
+
+    def _op_layers(self, layers: range, op: _Op) -> torch.Tensor:
+        """Layer index ``[1, layers, 1]`` of one op on the one-view path."""
+        nl = op.l1 - op.l0
+        if nl == self.num_layers:
+            return self._all_layers
+        a = layers.start + op.l0
+        return self._layer_ids[a : a + nl].view(1, -1, 1)
 
     def _split_kv(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[..., kv_width]`` -> K ``[..., H, head_k]`` and V ``[..., H, head_v]`` views."""
@@ -473,35 +520,49 @@ class FusedTransfer:
         v = rows[..., nk:].unflatten(-1, (md.num_kv_heads, md.head_size_v))  # type: ignore[no-untyped-call]
         return k, v
 
+    def _gather_into(self, src: torch.Tensor, index: list[torch.Tensor], out: torch.Tensor) -> None:
+        if self._fused_split:
+            rows = src[tuple(index)]  # [..., H, head_k + head_v]
+            k, v = self._split_kv(out)
+            k.copy_(rows[..., : self.metadata.head_size_k])
+            v.copy_(rows[..., self.metadata.head_size_k :])
+        else:
+            torch.ops.aten.index.Tensor_out(src, index, out=out)
+
     def _gather(
         self, plan: _Plan, staging: torch.Tensor, layers: range, idx: torch.Tensor, piece: int
     ) -> None:
         """Gather every op of ``piece`` (all ops when ``piece < 0``) into staging."""
-        assert self._fused is not None
         for op in plan.ops:
             if piece >= 0 and op.piece != piece:
                 continue
-            index, out = self._op_views(plan, staging, layers, idx, op)
-            if self._fused_split:
-                rows = self._fused[tuple(index)]  # [g, layers, n, H, head_k + head_v]
-                k, v = self._split_kv(out)
-                k.copy_(rows[..., : self.metadata.head_size_k])
-                v.copy_(rows[..., self.metadata.head_size_k :])
-            else:
-                torch.ops.aten.index.Tensor_out(self._fused, index, out=out)
+            tok, out = self._op_views(plan, staging, layers, idx, op)
+            if self._fused is not None:
+                self._gather_into(self._fused, [self._op_layers(layers, op), *tok], out)
+                continue
+            assert self._fused_layers is not None
+            per_layer = [t.squeeze(1) for t in tok]  # [g, n - t0]
+            for j in range(op.l1 - op.l0):
+                src = self._fused_layers[layers.start + op.l0 + j]
+                self._gather_into(src, per_layer, out[:, j])
 
     def _scatter(
         self, plan: _Plan, staging: torch.Tensor, layers: range, idx: torch.Tensor, piece: int
     ) -> None:
         """Scatter every op of ``piece`` (all ops when ``piece < 0``) into the cache."""
-        assert self._fused is not None
         for op in plan.ops:
             if piece >= 0 and op.piece != piece:
                 continue
-            index, src = self._op_views(plan, staging, layers, idx, op)
+            tok, src = self._op_views(plan, staging, layers, idx, op)
             if self._fused_split:
                 src = torch.cat(self._split_kv(src), dim=-1)
-            self._fused.index_put_(tuple(index), src)
+            if self._fused is not None:
+                self._fused.index_put_((self._op_layers(layers, op), *tok), src)
+                continue
+            assert self._fused_layers is not None
+            per_layer = tuple(t.squeeze(1) for t in tok)
+            for j in range(op.l1 - op.l0):
+                self._fused_layers[layers.start + op.l0 + j].index_put_(per_layer, src[:, j])
 
     def _copy_runs(
         self, plan: _Plan, staging: torch.Tensor, to_host: bool, piece: int = -1
@@ -538,6 +599,8 @@ class FusedTransfer:
             copy = self._copy_stream(plan)
             if copy is None:
                 self._gather(plan, staging, layers, idx, -1)
+                if transfer.on_engine_read is not None:
+                    transfer.on_engine_read()
                 self._copy_runs(plan, staging, to_host=True)
             else:  # gather piece i + 1 while piece i goes to the host
                 main = torch.cuda.current_stream(self.device)
@@ -546,8 +609,11 @@ class FusedTransfer:
                     copy.wait_stream(main)
                     with torch.cuda.stream(copy):
                         self._copy_runs(plan, staging, to_host=True, piece=piece)
+                if transfer.on_engine_read is not None:
+                    transfer.on_engine_read()  # every gather is on main now
                 main.wait_stream(copy)
-        self._sync(transfer)
+        if not (transfer.deferred and transfer.stream is not None and self.device.type == "cuda"):
+            self._sync(transfer)
         check()
 
     def _fused_to(

@@ -259,7 +259,7 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, LayerRangeConnector):
         if self._kt_v_blocks:
             self._kt_v_from(layers, chunks, transfer)
             return
-        if self._fused is not None:
+        if self._fused_any:
             self._fused_from(layers, chunks, transfer)
             return
         pos, blocks, offs = self._token_slots(chunks, transfer, 0)
@@ -279,7 +279,7 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, LayerRangeConnector):
         if self._kt_v_blocks:
             self._kt_v_to(layers, chunks, transfer)
             return
-        if self._fused is not None:
+        if self._fused_any:
             self._fused_to(layers, chunks, transfer)
             return
         pos, blocks, offs = self._token_slots(chunks, transfer, transfer.skip_tokens)
@@ -302,8 +302,10 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, LayerRangeConnector):
     def close(self) -> None:
         self._caches = []
         self._fused = None
+        self._fused_layers = None
+        self._fused_ref = None
         self._kt_v_sources = []
-        self._pinned_idx = None
+        self._pinned_idx = []
         self._pinned_lo_hi = None
 
 

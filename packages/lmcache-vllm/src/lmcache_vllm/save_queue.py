@@ -5,15 +5,21 @@ The worker enqueues a request's save in ``wait_for_save`` and returns at once. A
 jobs:
 
 1. **copy** (copier thread, in submission order): copies the KV out of vLLM's pages into leased
-   host buffers (``LMCacheEngine.copy_out``; on CUDA on a store stream ordered after the step's
-   compute). Until it is done the pages must not change.
-2. **commit** (committer thread): checksums the buffers and publishes the chunks, so they become
-   visible to lookups only when complete. It reads host memory only.
+   host buffers (``LMCacheEngine.copy_out``). On CUDA it only *enqueues* the copy on a store
+   stream ordered after the step's compute (a gather of the pages into device staging, then
+   DMAs to the host) and releases the job's :class:`ReadFence` with a CUDA event recorded right
+   after the gather: from that event on the pages may change.
+2. **commit** (committer thread): waits for the copy to reach the host (on CUDA), checksums the
+   buffers and publishes the chunks, so they become visible to lookups only when complete. It
+   reads host memory only.
 
 vLLM may reuse a request's blocks once it finished or was preempted, but only a *later* step
-writes them, and every step starts with :meth:`SaveQueue.wait_copied` (the worker's
-``bind_connector_metadata``): a block is never rewritten while a save reads it, and vLLM frees
-blocks at once (``request_finished`` returns ``False``), as its own OffloadingConnector does.
+writes them, and every step starts with :meth:`SaveQueue.wait_read` (the worker's
+``bind_connector_metadata``): it waits on the host until every queued copy has released its
+fence (normally at once: enqueueing takes well under a millisecond) and returns their events,
+which the step's streams wait on *on the device*. So a block is never rewritten while a save
+reads it, the step never waits on the host for a transfer, and vLLM frees blocks at once
+(``request_finished`` returns ``False``), as its own OffloadingConnector does.
 
 A job that raises is logged and dropped (its chunks are not stored); the threads never die of it.
 """
@@ -25,8 +31,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
 
-__all__ = ["CommitJob", "CopyJob", "SaveQueue", "UnpublishedSaves"]
+__all__ = ["CommitJob", "CopyJob", "ReadFence", "SaveQueue", "UnpublishedSaves"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +42,30 @@ CommitJob = Callable[[], None]
 """Publishes what a copy staged (may run on another thread)."""
 CopyJob = Callable[[], CommitJob | None]
 """Copies a save's bytes; returns its commit job (``None``: nothing to commit)."""
+
+
+class ReadFence:
+    """When one queued copy stops reading the engine's pages.
+
+    Released (once) by the copy job, with the CUDA event after which the pages may change, or
+    by the queue with ``None`` when the job returns without releasing it (its reads are then
+    complete on the host).
+    """
+
+    def __init__(self) -> None:
+        self._released = threading.Event()
+        self.event: Any = None
+
+    def release(self, event: Any = None) -> None:
+        """The pages are read once ``event`` completes (``None``: already); later calls are
+        ignored."""
+        if not self._released.is_set():
+            self.event = event
+            self._released.set()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Whether the fence was released within ``timeout`` seconds."""
+        return self._released.wait(timeout)
 
 
 class _Stage:
@@ -96,15 +128,32 @@ class SaveQueue:
     def __init__(self, name: str = "lmcache-save") -> None:
         self._commits = _Stage(f"{name}-commit", self._run_commit)
         self._copies = _Stage(f"{name}-copy", self._run_copy)
+        self._fences: deque[ReadFence] = deque()
+        self._fences_lock = threading.Lock()
 
-    def submit(self, req_id: str, copy: CopyJob) -> None:
+    def submit(self, req_id: str, copy: CopyJob, fence: ReadFence | None = None) -> None:
         """Queue a save of ``req_id``: ``copy`` runs after every copy queued before it, then
-        the commit job it returns.
+        the commit job it returns. ``copy`` may release ``fence`` early (see
+        :class:`ReadFence`); the queue releases it when ``copy`` returns.
 
         Raises:
             RuntimeError: the queue is closed.
         """
-        self._copies.put(req_id, copy)
+        fence = fence if fence is not None else ReadFence()
+        with self._fences_lock:
+            self._fences.append(fence)
+        try:
+            self._copies.put(req_id, partial(self._fenced, copy, fence))
+        except BaseException:
+            fence.release()
+            raise
+
+    @staticmethod
+    def _fenced(copy: CopyJob, fence: ReadFence) -> CommitJob | None:
+        try:
+            return copy()
+        finally:
+            fence.release()
 
     def _run_copy(self, req_id: str, job: Callable[[], object]) -> None:
         try:
@@ -117,6 +166,28 @@ class SaveQueue:
         if callable(commit):
             self._commits.put(req_id, commit)
 
+    def wait_read(self, timeout: float | None = None) -> list[Any] | None:
+        """Wait on the host until every copy queued so far has released its fence.
+
+        Returns:
+            The CUDA events of those fences not returned before (the caller's streams must wait
+            on them before rewriting pages), or ``None`` when ``timeout`` seconds passed first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._fences_lock:
+            pending = list(self._fences)
+        for fence in pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not fence.wait(left):
+                return None
+        events = []
+        with self._fences_lock:
+            while self._fences and self._fences[0].wait(0):
+                fence = self._fences.popleft()
+                if fence.event is not None:
+                    events.append(fence.event)
+        return events
+
     @staticmethod
     def _run_commit(req_id: str, job: Callable[[], object]) -> None:
         try:
@@ -125,15 +196,6 @@ class SaveQueue:
             logger.exception(
                 "lmcache: save of request %s failed; its chunks are not stored", req_id
             )
-
-    def wait_copied(self, timeout: float | None = None) -> bool:
-        """Block until every queued copy is done (vLLM's pages are no longer read).
-
-        Returns:
-            ``False`` when ``timeout`` seconds passed first.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        return self._copies.wait_idle(deadline)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every queued save is copied and committed.

@@ -3,22 +3,26 @@
 
 One per worker process (vLLM keeps one worker-side connector per process). Per step:
 
-1. :meth:`WorkerSide.bind`: waits until queued saves have copied their pages (vLLM may now
-   rewrite freed or preempted blocks), releases leases of preempted requests and stale ones.
+1. :meth:`WorkerSide.bind`: orders this step's writes of vLLM's pages after the reads of the
+   saves queued so far (vLLM may now rewrite freed or preempted blocks): on CUDA the compute
+   stream waits on the device for each save's gather, the host only until the gathers are
+   enqueued; then releases leases of preempted requests and stale ones.
 2. :meth:`WorkerSide.start_load_kv`: one batched ``LMCacheEngine.retrieve`` per request that has
    a load, using the chunks this rank leased at lookup (:mod:`lmcache_vllm.held_hits`); in
    layerwise mode every layer is enqueued at once and :meth:`WorkerSide.wait_for_layer_load`
    orders each layer's compute after its copy (:mod:`lmcache_vllm.worker_layerwise`). Tokens that
    did not arrive make their blocks a load error (vLLM's ``get_block_ids_with_load_errors``).
 3. :meth:`WorkerSide.wait_for_save`: queues one save per request on the
-   :class:`~lmcache_vllm.save_queue.SaveQueue` and returns at once (on CUDA the copy waits for an
-   event recorded after the step's compute); layerwise, :meth:`WorkerSide.save_kv_layer` queues
-   each layer's copy the same way.
+   :class:`~lmcache_vllm.save_queue.SaveQueue` and returns at once (on CUDA the copy is enqueued
+   on a store stream after an event recorded after the step's compute, and the commit thread
+   waits for it to reach the host); layerwise, :meth:`WorkerSide.save_kv_layer` queues each
+   layer's copy the same way (each layer's copy completes on the copy thread).
 4. :meth:`WorkerSide.get_finished`: releases finished requests' leases; nothing is held for
    lmcache, so nothing is reported as finished sending.
 
-Loads and saves share one transfer lock: a load waits for a save copying at that moment (the
-connector's staging buffers are not shared between concurrent transfers).
+Loads and saves share one transfer lock: a load waits for a save *enqueueing* its copy at that
+moment (the connector's planning state is not shared between concurrent calls; every transfer
+has its own device staging buffer).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from lmcache_vllm.connector_metadata import (
 from lmcache_vllm.held_hits import HeldHits
 from lmcache_vllm.kv_registration import build_engine, order_caches
 from lmcache_vllm.lookup import LookupQuery, LookupServer
-from lmcache_vllm.save_queue import CommitJob, CopyJob, SaveQueue, UnpublishedSaves
+from lmcache_vllm.save_queue import CommitJob, CopyJob, ReadFence, SaveQueue, UnpublishedSaves
 from lmcache_vllm.transfer_plan import load_outcome, load_plan, skip_mask, slot_mapping
 from lmcache_vllm.worker_layerwise import LayerwiseStep, PendingSave
 
@@ -209,8 +213,22 @@ class WorkerSide:
         self._fence()
 
     def _fence(self) -> None:
-        if not self._saves.wait_copied(timeout=300.0):
-            logger.error("lmcache: queued saves did not copy their pages within 300 s")
+        """Order every later write of vLLM's pages after the reads of the saves queued so far:
+        a short host wait until each queued copy is enqueued, then device-side waits of the
+        compute stream (and the layerwise load stream) on the events after their gathers."""
+        events = self._saves.wait_read(timeout=300.0)
+        if events is None:
+            logger.error("lmcache: queued saves did not read their pages within 300 s")
+            return
+        if not events or not self._registered:
+            return
+        device = self._registered[0].device
+        streams = [torch.cuda.current_stream(device)]
+        if self._layerwise is not None and self._layerwise.load_stream is not None:
+            streams.append(self._layerwise.load_stream)
+        for event in events:
+            for stream in streams:
+                stream.wait_event(event)
 
     def _slot_mapping(self, req: ReqMeta, num_tokens: int) -> torch.Tensor:
         return slot_mapping(req.block_ids, self.block_size, num_tokens)
@@ -369,10 +387,14 @@ class WorkerSide:
             if ready is None and self._registered and self._registered[0].is_cuda:
                 ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 ready.record(torch.cuda.current_stream(self._registered[0].device))
-            self._saves.submit(req.req_id, self._save_job(engine, req, ready))
+            fence = ReadFence()
+            self._saves.submit(req.req_id, self._save_job(engine, req, ready, fence), fence)
 
-    def _save_job(self, engine: LMCacheEngine, req: ReqMeta, ready: Any) -> CopyJob:
-        """The copy job of ``req``'s save; it returns the commit job."""
+    def _save_job(
+        self, engine: LMCacheEngine, req: ReqMeta, ready: Any, fence: ReadFence
+    ) -> CopyJob:
+        """The copy job of ``req``'s save (on CUDA it releases ``fence`` once vLLM's pages are
+        read and returns before the bytes reach the host); it returns the commit job."""
         assert req.save is not None
         tokens = req.token_ids[: req.save.end]
         mask = self._mask(len(tokens), req.save.skip)
@@ -382,6 +404,7 @@ class WorkerSide:
 
         def _copy() -> CommitJob:
             started = time.perf_counter()
+            copied: Any = None  # CUDA: the event after the copy to the host
             try:
                 with self._xfer_lock:
                     if ready is None:
@@ -392,17 +415,34 @@ class WorkerSide:
                         assert self._layerwise is not None
                         stream = self._layerwise.store_stream  # the worker's one store stream
                         stream.wait_event(ready)  # after the step that wrote this KV
+
+                        def _read() -> None:  # the gather is enqueued: pages may change after
+                            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                            event.record(stream)
+                            fence.release(event)
+
                         with torch.cuda.stream(stream):
-                            transfer = TransferSpec(slots, stream=stream)
+                            transfer = TransferSpec(
+                                slots, stream=stream, deferred=True, on_engine_read=_read
+                            )
                             staged = engine.copy_out(
                                 tokens, mask, transfer, salt=req.salt, extra_keys=extra
                             )
+                            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                            copied.record(stream)
+                        fence.release(copied)  # no-op when _read ran
             except BaseException:
                 self._unpublished.done(job)
                 raise
 
             def _commit() -> None:
                 try:
+                    if copied is not None:
+                        try:
+                            copied.synchronize()  # the bytes are on the host
+                        except BaseException:
+                            staged.abort()
+                            raise
                     stored = staged.commit()
                 finally:
                     self._unpublished.done(job)

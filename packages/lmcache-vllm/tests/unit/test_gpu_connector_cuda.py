@@ -89,11 +89,13 @@ def test_transfer_on_a_side_stream():
     assert torch.equal(back.cpu(), got)
 
 
+@pytest.mark.parametrize("alloc", ["one-buffer", "per-layer"])
 @pytest.mark.parametrize("slots_on", ["cuda", "cpu"])
 @pytest.mark.parametrize("tokens", [256, 1000])
-def test_fused_pipelined_matches_per_layer_llama_like(slots_on, tokens, monkeypatch):
+def test_fused_pipelined_matches_per_layer_llama_like(slots_on, tokens, alloc, monkeypatch):
     """Llama-like heads on FlashAttention's LBNHC, pinned pool chunks, pipelined in 1 MiB
-    pieces (chunks cut by layers) against the per-layer path, NaN payloads included."""
+    pieces (chunks cut by layers) against the token-level path, NaN payloads included; layers
+    in one buffer (vLLM 0.32) or allocated one by one (vLLM 0.26)."""
     from lmcache.config import LMCacheConfig
     from lmcache.gpu_connector import ChunkTransfer, TransferSpec
     from lmcache.memory.pinned_pool import HostMemoryPool
@@ -118,15 +120,19 @@ def test_fused_pipelined_matches_per_layer_llama_like(slots_on, tokens, monkeypa
         g = torch.Generator(device="cuda").manual_seed(seed)
         phys = torch.randint(-32768, 32767, (L, NB, P, H, 2 * D), device="cuda", generator=g)
         phys = phys.to(torch.int16).view(torch.bfloat16)  # every bit pattern, NaNs too
-        return phys, [phys[i].permute(0, 2, 1, 3) for i in range(L)]
+        views = [phys[i].permute(0, 2, 1, 3) for i in range(L)]
+        if alloc == "per-layer":
+            views = [v.permute(0, 2, 1, 3).clone().permute(0, 2, 1, 3) for v in views]
+        return phys, views
 
     def conn(views, fused=True):
         c = VLLMPagedConnector(
             LMCacheConfig(chunk_size=CS), md, EngineInfo("vllm", "cuda", views, {"block_size": P})
         )
-        assert c._fused is not None
+        assert (c._fused is not None) == (alloc == "one-buffer")
+        assert (c._fused_layers is not None) == (alloc == "per-layer")
         if not fused:
-            c._fused = None
+            c._fused = c._fused_layers = None
         return c
 
     monkeypatch.setattr(VLLMPagedConnector, "pipeline_bytes", 1 << 20)
@@ -147,12 +153,13 @@ def test_fused_pipelined_matches_per_layer_llama_like(slots_on, tokens, monkeypa
     for x, y in zip(leases, refs, strict=True):
         assert torch.equal(x.tensor.view(torch.int16), y.view(torch.int16))
     skip = CS + 7 if tokens > CS else 5
-    phys_a, dst_a = engine(2)
-    phys_b, dst_b = engine(2)
+    _, dst_a = engine(2)
+    _, dst_b = engine(2)
     stream = torch.cuda.Stream()
     conn(dst_a).to_gpu(chunks, TransferSpec(slots, skip_tokens=skip, stream=stream))
     conn(dst_b, fused=False).to_gpu(chunks, TransferSpec(slots, skip_tokens=skip))
     torch.cuda.synchronize()
-    assert torch.equal(phys_a.view(torch.int16), phys_b.view(torch.int16))
+    for a, b in zip(dst_a, dst_b, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     for x in leases:
         x.release()

@@ -73,7 +73,8 @@ def _conn(kind: str, md: LMCacheMetadata, caches: list[torch.Tensor], fused: boo
         {"kv_format": fmt},
     )
     if not fused:
-        conn._fused = None  # force the per-layer reference path
+        conn._fused = None  # force the per-layer, token-level reference path
+        conn._fused_layers = None
     return conn
 
 
@@ -109,7 +110,8 @@ def test_fused_matches_per_layer(kind, ranges, layout, device, slots_on, pieces)
     if pieces == "per-layer":  # pipelined: a side-stream host copy per chunk layer (CUDA)
         fast.pipeline_bytes = 1
     ref = _conn(kind, md, src, fused=False)
-    assert (fast._fused is None) == (kind == "separate")
+    assert (fast._fused is None) == (kind == "separate")  # separate: one view per layer
+    assert (fast._fused_layers is not None) == (kind == "separate")
     slots = _slots(n, 2, device if slots_on == "device" else "cpu")
     with _buffers(fast, rng, layout) as a, _buffers(fast, rng, layout) as b:
         fast.from_gpu([ChunkTransfer(s, e, t) for (s, e), t in zip(rng, a, strict=True)],
@@ -146,7 +148,7 @@ def test_fused_matches_per_layer(kind, ranges, layout, device, slots_on, pieces)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["lbnhc", "uneven", "mla"])
+@pytest.mark.parametrize("kind", ["lbnhc", "uneven", "mla", "separate"])
 def test_layerwise_fused_matches_batched(kind, device):
     md = _md(kind)
     rng = RANGE_SETS["contiguous"]
@@ -177,7 +179,16 @@ def test_aliased_layers_use_the_per_layer_path():
     md = _md("lbnhc")
     caches = _caches("lbnhc", md, "cpu", 9)
     caches[2] = caches[1]  # two layers on the same memory (a shared-KV model)
-    assert _conn("lbnhc", md, caches, True)._fused is None
+    conn = _conn("lbnhc", md, caches, True)
+    assert conn._fused is None and conn._fused_layers is not None  # one view per layer
+    rng = RANGE_SETS["contiguous"]
+    slots = _slots(29, 12, "cpu")
+    with _buffers(conn, rng, "adjacent") as a:
+        conn.from_gpu([ChunkTransfer(s, e, t) for (s, e), t in zip(rng, a, strict=True)],
+                      TransferSpec(slots))  # fmt: skip
+        for t in a:  # layers 1 and 2 gathered the same bytes
+            assert _eq(t[1], t[2])
+            assert not _eq(t[0], t[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -201,3 +201,53 @@ def test_lookup_right_after_a_save_waits_for_it(rig):
     blocks = rig.blocks(PROMPT)
     rig.step(ReqMeta("w", a, blocks, save=SaveSpec(skip=0, end=PROMPT)))  # queued, not waited
     assert rig.scheduler.get_num_new_matched_tokens(_request("again", a), 0) == PROMPT - BLOCK
+
+
+@pytest.mark.gpu
+def test_next_step_rewrites_saved_pages_only_after_the_save_read_them(tmp_path):
+    """CUDA: the step after a save waits for the save's gather on the device, not on the host.
+
+    The GPU is kept busy (``torch.cuda._sleep``) so the save's copy is still queued when the next
+    step binds: ``bind`` returns while the GPU is busy, and that step's writes of the same pages
+    (NaN) land only after the save gathered them: the chunks load back as they were."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import time
+
+    rig = Rig(tmp_path, budget_chunks=8, device="cuda")
+    try:
+        a = _prompt(40)
+        blocks = rig.blocks(PROMPT)
+        original = rig.pages(blocks).clone()
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(300_000_000)  # the forward that "wrote" these pages is still running
+        rig.step(ReqMeta("w", a, blocks, save=SaveSpec(skip=0, end=PROMPT)))
+        rig.meta = LMCacheConnectorMetadata()
+        t = time.perf_counter()
+        rig.worker.bind(rig.meta)  # the next step
+        bind_s = time.perf_counter() - t
+        busy = not torch.cuda.current_stream().query()  # the sleep is still running
+        for c in rig.caches.values():
+            c[blocks] = float("nan")  # that step rewrites the freed blocks
+        assert rig.worker._saves.wait(timeout=30)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        gpu_busy_s = start.elapsed_time(end) / 1e3
+        assert busy and bind_s < gpu_busy_s / 2, (bind_s, gpu_busy_s)  # no host wait for it
+
+        dst = rig.blocks(PROMPT)
+        for c in rig.caches.values():
+            c[dst] = float("nan")
+        promised = rig.scheduler.get_num_new_matched_tokens(_request("r", a), 0)
+        assert promised == PROMPT - BLOCK
+        rig.step(ReqMeta("r", a, dst, load=LoadSpec(0, PROMPT, promised)))
+        torch.cuda.synchronize()
+        assert rig.worker.get_block_ids_with_load_errors() == set()
+        full = promised // BLOCK
+        got = rig.pages(dst)[:, :full]
+        assert torch.equal(got.view(torch.int32), original[:, :full].view(torch.int32))
+    finally:
+        rig.close()

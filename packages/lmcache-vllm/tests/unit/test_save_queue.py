@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from lmcache_vllm.save_queue import SaveQueue
+from lmcache_vllm.save_queue import ReadFence, SaveQueue
 
 
 def test_copies_in_order_commits_after_their_copy():
@@ -31,7 +31,7 @@ def test_copies_in_order_commits_after_their_copy():
     assert q.close()
 
 
-def test_wait_copied_does_not_wait_for_commits():
+def test_wait_read_does_not_wait_for_commits():
     """The step fence waits for the pages to be read, not for the checksum + publish."""
     q = SaveQueue()
     commit_gate = threading.Event()
@@ -42,20 +42,53 @@ def test_wait_copied_does_not_wait_for_commits():
         return lambda: commit_gate.wait(5)
 
     q.submit("r", copy)
-    assert q.wait_copied(timeout=5) and copied.is_set()
+    assert q.wait_read(timeout=5) == [] and copied.is_set()
     assert not q.wait(timeout=0.2)  # the commit is still blocked
     commit_gate.set()
     assert q.wait(timeout=5)
     assert q.close()
 
 
-def test_wait_copied_waits_for_a_running_copy():
+def test_wait_read_waits_for_a_running_copy():
     q = SaveQueue()
     gate = threading.Event()
     q.submit("slow", lambda: (gate.wait(5), None)[1])
-    assert not q.wait_copied(timeout=0.2)
+    assert q.wait_read(timeout=0.2) is None
     gate.set()
-    assert q.wait_copied(timeout=5)
+    assert q.wait_read(timeout=5) == []
+    assert q.close()
+
+
+def test_a_copy_that_releases_its_fence_early_hands_back_its_event_once():
+    """A deferred copy releases its fence (with the event its pages are read after) while
+    it still runs: the fence returns at once, with that event, and never again."""
+    q = SaveQueue()
+    gate = threading.Event()
+    fence = ReadFence()
+    marker = object()  # stands for the CUDA event
+
+    def copy():
+        fence.release(marker)
+        gate.wait(5)  # the rest of the job (its transfer) still runs
+        return None
+
+    q.submit("early", copy, fence)
+    assert q.wait_read(timeout=5) == [marker]
+    assert q.wait_read(timeout=5) == []  # handed out once
+    assert not q.wait(timeout=0.1)  # the job itself is still running
+    gate.set()
+    assert q.wait(timeout=5)
+    assert q.close()
+
+
+def test_a_failing_copy_releases_its_fence():
+    q = SaveQueue()
+
+    def bad():
+        raise RuntimeError("device error")
+
+    q.submit("bad", bad)
+    assert q.wait_read(timeout=5) == []
     assert q.close()
 
 

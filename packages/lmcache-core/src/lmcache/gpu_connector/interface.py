@@ -30,7 +30,7 @@ major) and for MLA ``kv_width = latent_size`` (one latent per token per layer).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -90,11 +90,24 @@ class TransferSpec:
         skip_tokens: On load, the first ``skip_tokens`` tokens of the request are held by the
             engine already and their slots must not be written. Ignored on store.
         stream: CUDA (or XPU) stream to run the copies on; ``None`` means the current stream.
+        deferred: Store only, with ``stream`` set: ``from_gpu`` may return once its copies are
+            *enqueued* on ``stream`` instead of complete; the host buffers hold the bytes only
+            after work enqueued on ``stream`` after that return completes (record an event there
+            and synchronize it before reading them). Connectors that cannot defer complete the
+            copies as usual, which is always allowed.
+        on_engine_read: Store only: called once, on the calling thread, as soon as every read of
+            the engine's memory by this transfer is enqueued on ``stream`` (the current stream
+            then), before the copies to the host complete. Work ordered after an event recorded
+            on ``stream`` at that moment may rewrite the engine's pages. A connector that does
+            not call it reads them until ``from_gpu`` returns (and, deferred, until its copies
+            complete).
     """
 
     slot_mapping: torch.Tensor
     skip_tokens: int = 0
     stream: Any = None
+    deferred: bool = False
+    on_engine_read: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
