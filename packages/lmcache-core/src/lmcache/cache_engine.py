@@ -44,6 +44,7 @@ Semantics (LMCache's):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -147,7 +148,9 @@ class LMCacheEngine:
             self._fingerprint,
             self.metrics,
             local_cpu=config.local_cpu,
-            checksum=config.checksum,
+            checksum=config.checksum_for(
+                gpu_connector.engine.device if gpu_connector is not None else "cpu"
+            ),
         )
         self._closed = False
         self._close_lock = threading.Lock()
@@ -179,6 +182,9 @@ class LMCacheEngine:
                 "same KV caches the connector was given."
             )
         self.gpu_connector = gpu_connector
+        checksum = self.config.checksum_for(gpu_connector.engine.device)
+        if checksum != self._tiers.checksum:
+            self._tiers = dataclasses.replace(self._tiers, checksum=checksum)
 
     def _connector(self, action: str) -> GPUConnectorInterface:
         if self._closed:

@@ -129,8 +129,13 @@ class LMCacheConfig:
     cache_salt: str = ""
     """Salt mixed into every chunk key: instances with different salts never share chunks."""
 
-    checksum: bool = True
-    """Store a checksum with every chunk and verify it before use; a mismatch is a miss."""
+    checksum: bool | None = None
+    """Store a checksum with every chunk in the CPU tier and verify it before use (a mismatch is
+    a miss). ``None`` (the default) means: on when the engine's KV lives in host memory (CPU
+    engines), off when it crosses PCIe (CUDA, XPU), where hashing on the host (~9 GB/s a
+    thread) cannot keep up with the copy (~50 GB/s on an H200) and would cost more than the
+    transfer it guards; :meth:`checksum_for` resolves it. The disk and remote tiers always
+    checksum their chunks, whatever this says."""
 
     gpu_staging_buffer: bool = True
     """Gather KV into a GPU staging buffer and move it with one DMA copy per transfer."""
@@ -142,6 +147,11 @@ class LMCacheConfig:
             _check_value(field.name, value, source)
             object.__setattr__(self, field.name, value)
         _check_combination(self.to_dict(), dict.fromkeys(_FIELD_KINDS, source))
+
+    def checksum_for(self, device_type: str) -> bool:
+        """Whether the CPU tier checksums chunks of an engine whose KV is on ``device_type``
+        (``"cpu"``, ``"cuda"``, ...): ``checksum`` when set, else only for ``"cpu"``."""
+        return self.checksum if self.checksum is not None else device_type == "cpu"
 
     @property
     def max_local_cpu_bytes(self) -> int:
@@ -235,6 +245,7 @@ _EXPECTED_FORM = {
     float: "a finite number (e.g. 5.0)",
     str: "a string",
     "optional_str": "a string, or null/none for unset",
+    "optional_bool": "a boolean (true/false, yes/no, 1/0), or null/none for the default",
 }
 
 _TRUE = frozenset({"true", "1", "yes"})
@@ -247,6 +258,8 @@ def _field_kind(tp: Any) -> type | str:
         return typing.cast(type, tp)
     if isinstance(tp, types.UnionType) and set(typing.get_args(tp)) == {str, type(None)}:
         return "optional_str"
+    if isinstance(tp, types.UnionType) and set(typing.get_args(tp)) == {bool, type(None)}:
+        return "optional_bool"
     raise TypeError(f"LMCacheConfig field type {tp!r} has no loader; extend config._field_kind")
 
 
@@ -355,11 +368,13 @@ def _parse_string(key: str, raw: str, source: str, *, kind: type | str | None = 
     kind = _FIELD_KINDS[key] if kind is None else kind
     text = raw.strip()
     lowered = text.lower()
-    if kind is bool:
+    if kind is bool or kind == "optional_bool":
         if lowered in _TRUE:
             return True
         if lowered in _FALSE:
             return False
+        if kind == "optional_bool" and lowered in _NONE:
+            return None
     elif kind is int:
         try:
             return int(text)
@@ -392,6 +407,8 @@ def _check_type(key: str, value: Any, source: str) -> Any:
             value = float(value)
     elif kind == "optional_str":
         ok = value is None or isinstance(value, str)
+    elif kind == "optional_bool":
+        ok = value is None or isinstance(value, bool)
     else:
         ok = isinstance(value, str)
     if not ok:

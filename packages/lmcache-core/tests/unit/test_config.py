@@ -27,7 +27,7 @@ DEFAULTS = {
     "save_decode_cache": False,
     "save_unfull_chunk": False,
     "cache_salt": "",
-    "checksum": True,
+    "checksum": None,
     "gpu_staging_buffer": True,
 }
 
@@ -102,6 +102,8 @@ def test_os_environ_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
         ("LMCACHE_USE_LAYERWISE", "1", "use_layerwise", True),
         ("LMCACHE_CHECKSUM", "No", "checksum", False),
         ("LMCACHE_CHECKSUM", "0", "checksum", False),
+        ("LMCACHE_CHECKSUM", "true", "checksum", True),
+        ("LMCACHE_CHECKSUM", "none", "checksum", None),
         ("LMCACHE_MAX_LOCAL_CPU_SIZE", "0.25", "max_local_cpu_size", 0.25),
         ("LMCACHE_MAX_LOCAL_CPU_SIZE", "3", "max_local_cpu_size", 3.0),
         ("LMCACHE_MAX_LOCAL_DISK_SIZE", "1e1", "max_local_disk_size", 10.0),
@@ -127,7 +129,7 @@ def test_precedence(tmp_path: Path) -> None:
     }
     cfg = load_config(env=env, overrides={"cache_salt": "dict"})
     assert (cfg.chunk_size, cfg.cache_salt, cfg.use_layerwise) == (32, "dict", True)
-    assert cfg.checksum is True  # default survives
+    assert cfg.checksum is None  # default survives
     assert load_config(env=env).cache_salt == "env"
     assert load_config(env={"LMCACHE_CONFIG_FILE": str(path)}).cache_salt == "file"
 
@@ -391,3 +393,16 @@ def test_enable_blending_false_is_a_noop_true_is_an_error(
         load_config(env={"LMCACHE_ENABLE_BLENDING": "true"})
     with pytest.raises(ConfigError, match=r"'enable_blending'.*expected False.*found True"):
         load_config(env={}, overrides={"lmcache.enable_blending": True})
+
+
+def test_checksum_default_follows_the_engine_device() -> None:
+    """Unset: verified for KV in host memory, skipped over PCIe; set: as set, everywhere."""
+    auto = LMCacheConfig()
+    assert auto.checksum_for("cpu") is True
+    assert auto.checksum_for("cuda") is False
+    assert auto.checksum_for("xpu") is False
+    for value in (True, False):
+        cfg = load_config(overrides={"checksum": value})
+        assert cfg.checksum_for("cpu") is value and cfg.checksum_for("cuda") is value
+    with pytest.raises(ConfigError, match="checksum"):
+        load_config(overrides={"checksum": "sometimes"})

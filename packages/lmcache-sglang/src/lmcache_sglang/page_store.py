@@ -78,7 +78,8 @@ class PageStore:
     """Stores and loads SGLang pages by page hash on lmcache's tiers (CPU -> disk -> remote).
 
     Args:
-        config: lmcache configuration (``cache_salt``, ``checksum``, ``local_cpu``; with
+        config: lmcache configuration (``cache_salt``, ``checksum`` (resolved for the
+            connector's device, :meth:`~lmcache.config.LMCacheConfig.checksum_for`), ``local_cpu``; with
             ``lower_tiers=None`` also ``local_disk`` / ``remote_url``).
         metadata: Geometry; ``metadata.chunk_size`` must be SGLang's ``page_size``.
         connector: Moves pages between SGLang's pool and page buffers.
@@ -129,7 +130,7 @@ class PageStore:
             self.fingerprint,
             metrics,
             local_cpu=config.local_cpu,
-            checksum=config.checksum,
+            checksum=config.checksum_for(connector.engine.device),
         )
         page_bytes = metadata.num_layers * self.page_size * metadata.kv_width
         page_bytes *= metadata.kv_dtype.itemsize

@@ -129,7 +129,8 @@ def test_store_reset_hit_identical(model_dir, baseline, runner, layerwise, backe
 
 
 def test_corrupted_chunk_is_recomputed(model_dir, baseline):
-    """A bit flipped in a stored chunk's host bytes: the hit ends before it, output unchanged."""
+    """``checksum: true`` (off by default on CUDA): a bit flipped in a stored chunk's host
+    bytes: the hit ends before it, output unchanged."""
     from lmcache import tiers
     from lmcache.tiers import reset_process_cpu_tiers
 
@@ -137,7 +138,7 @@ def test_corrupted_chunk_is_recomputed(model_dir, baseline):
     kv = {
         "kv_connector": "LMCacheConnectorV1",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"lmcache.chunk_size": CHUNK},
+        "kv_connector_extra_config": {"lmcache.chunk_size": CHUNK, "lmcache.checksum": True},
     }
     llm = _llm(model_dir, kv)
     try:
