@@ -138,6 +138,23 @@ def _new_families(
     return metrics
 
 
+def _child_value(child: object) -> float | None:
+    """A counter's total or a histogram's count read from this instance's own series.
+
+    ``registry.get_sample_value`` collects every metric of the registry (milliseconds with a
+    few engines), too slow for vLLM's per-step stats; this reads prometheus-client's value
+    holders instead, or returns ``None`` when a version lays them out otherwise (the caller
+    falls back to the registry)."""
+    try:
+        if isinstance(child, Counter):
+            return float(child._value.get())
+        if isinstance(child, Histogram):
+            return float(sum(b.get() for b in child._buckets))
+    except AttributeError:
+        return None
+    return None
+
+
 class LMCacheMetrics:
     """Counters and histograms of a cache instance, all named ``lmcache_*``.
 
@@ -250,6 +267,9 @@ class LMCacheMetrics:
             sample = f"lmcache_{name}_count"
         else:
             raise KeyError(f"{name!r} is not an LMCacheMetrics metric attribute")
+        fast = _child_value(getattr(self, name))
+        if fast is not None:
+            return fast
         found = self.registry.get_sample_value(sample, self.labels)
         return 0.0 if found is None else float(found)
 

@@ -177,3 +177,27 @@ def test_foreign_lmcache_metrics_and_bad_labels() -> None:
         LMCacheMetrics(labels={"0bad": "x"})
     with pytest.raises(TypeError, match="expected a str"):
         LMCacheMetrics(labels={"engine": 0})  # type: ignore[dict-item]
+
+
+def test_value_matches_the_registry_samples_per_instance() -> None:
+    """``value`` reads the instance's own series; it equals what Prometheus exposes."""
+    from prometheus_client import CollectorRegistry
+
+    from lmcache.metrics import LMCacheMetrics
+
+    registry = CollectorRegistry()
+    a = LMCacheMetrics(registry, labels={"engine": "a"})
+    b = LMCacheMetrics(registry, labels={"engine": "b"})
+    a.checksum_failures.inc(3)
+    b.checksum_failures.inc(5)
+    for seconds in (0.001, 0.2, 7.0):
+        a.store_seconds.observe(seconds)
+    for m, labels in ((a, {"engine": "a"}), (b, {"engine": "b"})):
+        assert m.value("checksum_failures") == registry.get_sample_value(
+            "lmcache_checksum_failures_total", labels
+        )
+        assert m.value("store_seconds") == registry.get_sample_value(
+            "lmcache_store_seconds_count", labels
+        )
+    assert (a.value("checksum_failures"), b.value("checksum_failures")) == (3, 5)
+    assert (a.value("store_seconds"), b.value("store_seconds")) == (3, 0)
