@@ -3,7 +3,7 @@
 
 Run on a CUDA machine with vLLM importable (offline: ``tools/gpu_engines/README.md``)::
 
-    python benchmarks/vllm_gpu.py [--tokens 16384] [--reps 5] [--checksum-off]
+    python benchmarks/vllm_gpu.py [--tokens 16384] [--reps 5] [--checksum {default,on,off}]
 
 Model: a random 8-layer Llama with Llama-3-8B attention geometry (hidden 4096, 32 query heads,
 8 KV heads of 128, bf16; 16k tokens = 512 MiB of KV), built locally. Engines run one after the
@@ -47,6 +47,7 @@ def _engine(model: Path, kv: dict[str, Any] | None, max_len: int) -> Any:
         max_num_batched_tokens=max_len,
         seed=0,
         kv_transfer_config=kv,
+        disable_log_stats=False,  # RequestOutput.metrics: vLLM's own TTFT per request
     )
 
 
@@ -56,13 +57,20 @@ def _shutdown(llm: Any) -> None:
     shutdown_llm(llm)
 
 
-def _ttft(llm: Any, prompt: list[int]) -> float:
+def _ttft(llm: Any, prompt: list[int]) -> tuple[float, float]:
+    """``(vLLM's TTFT, generate() wall time)`` of one ``max_tokens=1`` request.
+
+    vLLM's TTFT is ``RequestOutput.metrics.first_token_latency``: arrival until the engine
+    produced the first token, what ``vllm:time_to_first_token_seconds`` reports. The wall time
+    adds this process's detokenization of the output (for a 16k prompt of this model's test
+    tokenizer ~25 ms on an H200 host, the same with and without lmcache)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
-    return time.perf_counter() - start
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+    wall = time.perf_counter() - start
+    return float(out.metrics.first_token_latency), wall
 
 
 def _throughput(llm: Any, prompts: list[list[int]]) -> float:
@@ -74,13 +82,122 @@ def _throughput(llm: Any, prompts: list[list[int]]) -> float:
     return sum(len(p) for p in prompts) / (time.perf_counter() - start)
 
 
-def _measure(llm: Any, prompts: list[list[int]], batch: list[list[int]]) -> dict[str, float]:
+class _Profile:
+    """``--profile``: time spent in each lmcache hook per phase, the main thread's cProfile of
+    each phase, and CPU seconds per thread (who competes with vLLM's thread for the GIL)."""
+
+    def __init__(self, out: Path | None) -> None:
+        self.out = out
+        self.phase = ""
+        self.hooks: dict[tuple[str, str], list[float]] = {}
+        self.rows: list[str] = []
+        if out is None:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        from lmcache_vllm.scheduler import SchedulerSide
+        from lmcache_vllm.worker import WorkerSide
+
+        for cls in (SchedulerSide, WorkerSide):
+            for name, fn in list(vars(cls).items()):
+                if name.startswith("__") or not callable(fn):
+                    continue
+                setattr(cls, name, self._wrap(f"{cls.__name__}.{name}", fn))
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        import functools
+        import threading
+
+        main = threading.main_thread()
+
+        @functools.wraps(fn)
+        def timed(*a: Any, **k: Any) -> Any:
+            if threading.current_thread() is not main:
+                return fn(*a, **k)
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                cell = self.hooks.setdefault((self.phase, name), [0.0, 0])
+                cell[0] += time.perf_counter() - t
+                cell[1] += 1
+
+        return timed
+
+    def run(self, label: str, fn: Any) -> Any:
+        if self.out is None:
+            return fn()
+        import cProfile
+        import pstats
+        import threading
+
+        self.phase = label
+        cpu0 = _thread_cpu()
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        prof.enable()
+        try:
+            return fn()
+        finally:
+            prof.disable()
+            wall = time.perf_counter() - t
+            cpu1 = _thread_cpu()
+            names = {th.native_id: th.name for th in threading.enumerate()}
+            busy = sorted(
+                ((cpu1[tid] - cpu0.get(tid, 0.0), names.get(tid, str(tid))) for tid in cpu1),
+                reverse=True,
+            )
+            self.rows.append(
+                f"[{label}] wall {wall:.3f} s; thread CPU s: "
+                + ", ".join(f"{n}={c:.3f}" for c, n in busy[:8] if c > 0.001)
+            )
+            for (ph, name), (sec, calls) in sorted(self.hooks.items()):
+                if ph == label:
+                    self.rows.append(f"  {name:<48} {1e3 * sec:9.1f} ms  {calls:6d} calls")
+            path = self.out / f"{label}.txt"
+            with path.open("w") as f:
+                stats = pstats.Stats(prof, stream=f)
+                stats.sort_stats("tottime").print_stats(40)
+                stats.sort_stats("cumulative").print_stats(60)
+            if label.startswith("lmcache"):
+                prof.dump_stats(str(self.out / f"{label}.prof"))
+
+    def report(self) -> None:
+        for row in self.rows:
+            print(row)
+
+
+def _thread_cpu() -> dict[int, float]:
+    """CPU seconds (user + system) of every thread of this process, by native id."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _measure(
+    llm: Any,
+    prompts: list[list[int]],
+    batch: list[list[int]],
+    prof: _Profile,
+    tag: str,
+) -> dict[str, float]:
     _ttft(llm, prompts[-1][:512])  # warm-up (distinct tokens)
-    cold = [_ttft(llm, p) for p in prompts[:-1]]
+    cold = prof.run(f"{tag}-cold", lambda: [_ttft(llm, p) for p in prompts[:-1]])
     llm.reset_prefix_cache()
-    warm = [_ttft(llm, p) for p in prompts[:-1]]
-    tput = _throughput(llm, batch)
-    return {"cold": statistics.median(cold), "warm": statistics.median(warm), "tput": tput}
+    warm = prof.run(f"{tag}-warm", lambda: [_ttft(llm, p) for p in prompts[:-1]])
+    tput = prof.run(f"{tag}-tput", lambda: _throughput(llm, batch))
+    return {
+        "cold": statistics.median(t for t, _ in cold),
+        "warm": statistics.median(t for t, _ in warm),
+        "cold_wall": statistics.median(w for _, w in cold),
+        "warm_wall": statistics.median(w for _, w in warm),
+        "tput": tput,
+    }
 
 
 def main() -> None:
@@ -88,12 +205,25 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=32, help="2k-token prompts per batch")
-    parser.add_argument("--checksum-off", action="store_true", help="lmcache checksum: false")
+    parser.add_argument(
+        "--checksum",
+        choices=("default", "on", "off"),
+        default="default",
+        help="lmcache's checksum setting (default: unset, which is off for CUDA engines)",
+    )
     parser.add_argument(
         "--sync-saves",
         action="store_true",
         help="for comparison: run each save inline in wait_for_save (copy + commit, as before "
         "saves went off the step)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="time lmcache's hooks per phase, write the main thread's cProfile of each phase "
+        "to DIR and print CPU seconds per thread",
     )
     args = parser.parse_args()
     if args.sync_saves:
@@ -138,16 +268,17 @@ def main() -> None:
         f"Llama-3-8B attention (32 q / 8 kv heads of 128), bf16, prompt {args.tokens} tokens"
     )
 
+    prof = _Profile(args.profile)
     base_llm = _engine(model, None, max_len)
     try:
-        base = _measure(base_llm, prompts, batch)
+        base = _measure(base_llm, prompts, batch, prof, "base")
     finally:
         _shutdown(base_llm)
 
     reset_process_cpu_tiers()
     extra: dict[str, Any] = {"lmcache.max_local_cpu_size": 8.0}
-    if args.checksum_off:
-        extra["lmcache.checksum"] = False
+    if args.checksum != "default":
+        extra["lmcache.checksum"] = args.checksum == "on"
     kv = {
         "kv_connector": "LMCacheConnectorV1",
         "kv_role": "kv_both",
@@ -157,7 +288,7 @@ def main() -> None:
     try:
         for engine in live_engines():
             engine.pool.wait_prepinned(timeout=300)  # pinning is not what this measures
-        lm = _measure(lm_llm, prompts, batch)
+        lm = _measure(lm_llm, prompts, batch, prof, "lmcache")
         for engine in live_engines():
             m = engine.metrics
             names = (
@@ -173,6 +304,7 @@ def main() -> None:
     finally:
         _shutdown(lm_llm)
 
+    prof.report()
     cold_pct = 100 * (lm["cold"] / base["cold"] - 1)
     tput_pct = 100 * lm["tput"] / base["tput"]
     speedup = base["warm"] / lm["warm"]
@@ -191,7 +323,16 @@ def main() -> None:
         f">= 99 %: {tput_pct:.1f} % {ok[tput_pct >= 99]}"
     )
     print(
-        f"checksum: {'off' if args.checksum_off else 'on (default)'}; saves: "
+        f"{'generate() wall, cold / warm (ms)':<34} "
+        f"{1e3 * base['cold_wall']:>5.1f}/{1e3 * base['warm_wall']:<5.1f} "
+        f"{1e3 * lm['cold_wall']:>5.1f}/{1e3 * lm['warm_wall']:<5.1f}  "
+        f"(TTFT + this process's detokenization; warm {base['warm_wall'] / lm['warm_wall']:.2f}x)"
+    )
+    print(
+        "TTFT: vLLM's RequestOutput.metrics.first_token_latency (vllm:time_to_first_token_seconds)"
+    )
+    print(
+        f"checksum: {args.checksum} ({'on' if args.checksum == 'on' else 'off'} here); saves: "
         f"{'inline (synchronous)' if args.sync_saves else 'off the step (default)'}"
     )
 
