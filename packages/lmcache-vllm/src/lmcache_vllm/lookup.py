@@ -12,7 +12,9 @@ processes). The lifecycle:
    the :class:`LookupQuery` to *every* rank at once, then collects the replies until *one* overall
    deadline (``timeout_s`` from the start of the call). The answer is the minimum over the ranks:
    a token counts only when every rank holds its shard. The worker leases the hit chunks under
-   ``req_id`` when it answers, so the load that follows finds them.
+   ``req_id`` when it answers, so the load that follows finds them. A rank whose server lives in
+   the client's own process (vLLM's scheduler and a single worker share the engine-core
+   process) is called directly: same answer, no socket round trip.
 3. :meth:`LookupClient.clear` asks every rank to empty its cache (``reset_prefix_cache``).
 4. :meth:`LookupServer.close` stops serving and removes the socket file, but only if the file at
    the path is still the one it bound (a newer server may have replaced it).
@@ -154,8 +156,22 @@ def _unsafe_folder(folder: Path) -> str | None:
     return None
 
 
+_in_process: dict[Path, LookupServer] = {}
+"""Live servers of this process by socket path: a client in the same process (the scheduler
+and a single worker share vLLM's engine-core process) calls them directly."""
+_in_process_lock = threading.Lock()
+
+
+def _local_server(path: Path) -> LookupServer | None:
+    with _in_process_lock:
+        return _in_process.get(path)
+
+
 class LookupServer:
     """Answers lookups for one worker rank from daemon threads.
+
+    A :class:`LookupClient` in the same process calls :meth:`answer` directly instead of going
+    through the socket (same answers, same leases; no encoding round trip).
 
     Args:
         engine_key: ``engine_id + ":" + instance_id`` (names the socket folder).
@@ -226,6 +242,8 @@ class LookupServer:
             target=self._serve, name=f"lmcache-lookup-rank{rank}", daemon=True
         )
         self._thread.start()
+        with _in_process_lock:
+            _in_process[self.path] = self
 
     def _replace_stale(self, rank: int) -> None:
         try:
@@ -299,7 +317,7 @@ class LookupServer:
                 except ConnectionError as exc:
                     logger.debug("lmcache lookup server %s: truncated request (%s)", self.path, exc)
                     return
-                conn.sendall(REPLY.pack(self._answer(request)))
+                conn.sendall(REPLY.pack(self.answer(request)))
         except OSError:
             return
         finally:
@@ -307,7 +325,10 @@ class LookupServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _answer(self, request: LookupQuery | None) -> int:
+    def answer(self, request: LookupQuery | None) -> int:
+        """The reply to ``request`` (``None``: clear): hit tokens, 0, or -1 on failure."""
+        if self._closed.is_set():
+            return -1
         try:
             if request is None:
                 self._clear()
@@ -335,6 +356,9 @@ class LookupServer:
 
         Idempotent. The folder is removed only when no other socket is left in it.
         """
+        with _in_process_lock:
+            if _in_process.get(self.path) is self:
+                del _in_process[self.path]
         with self._conns_lock:
             if self._closed.is_set():
                 return
@@ -402,6 +426,10 @@ class LookupClient:
         world_size: Number of ranks (tensor-parallel size) to ask.
         timeout_s: Deadline of one whole call (every rank together), from its start.
         base: As for :class:`LookupServer`.
+        in_process: Call the servers that live in this process directly (the default; vLLM's
+            scheduler shares its process with a single worker). ``False`` always uses the
+            sockets. A direct call has no deadline: the worker's lookup itself is bounded (it
+            waits at most 0.5 s for a queued save of the same prompt).
 
     Attributes:
         paths: The ranks' socket paths.
@@ -417,6 +445,7 @@ class LookupClient:
         *,
         timeout_s: float = 1.0,
         base: str | os.PathLike[str] | None = None,
+        in_process: bool = True,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"LookupClient world_size is {world_size}; expected at least 1")
@@ -429,6 +458,7 @@ class LookupClient:
         self._lock = threading.Lock()
         self._closed = False
         self._bad_query_log = _Throttle()
+        self._in_process = in_process
 
     def lookup(self, query: LookupQuery) -> int:
         """Leading tokens every rank holds; 0 on any failure. Never raises.
@@ -451,7 +481,7 @@ class LookupClient:
             with self._lock:
                 if self._closed:
                     return 0
-                answers = self._exchange(payload, deadline, limit)
+                answers = self._exchange(payload, deadline, limit, query)
         except Exception:  # a bug here must still not reach vLLM's scheduler
             logger.exception("lmcache lookup: unexpected error; counting a miss")
             self.failures += 1
@@ -471,7 +501,7 @@ class LookupClient:
             with self._lock:
                 if self._closed:
                     return False
-                answers = self._exchange(encode_clear(), deadline, 0)
+                answers = self._exchange(encode_clear(), deadline, 0, None)
         except Exception:
             logger.exception("lmcache lookup: unexpected error in clear")
             return False
@@ -554,18 +584,28 @@ class LookupClient:
         self._note(rank, state, detail)
         return None
 
-    def _exchange(self, payload: bytes, deadline: float, limit: int) -> list[int | None]:
-        """Send ``payload`` to every rank, collect ``i64`` replies until ``deadline``.
+    def _exchange(
+        self, payload: bytes, deadline: float, limit: int, request: LookupQuery | None
+    ) -> list[int | None]:
+        """Send ``payload`` to every rank, collect ``i64`` replies until ``deadline``; ranks
+        served in this process answer ``request`` (``None``: clear) by a direct call.
 
         Returns:
             Per rank, its answer in ``[0, limit]``, or ``None`` for a miss.
         """
         answers: list[int | None] = [None] * len(self._ranks)
         with selectors.DefaultSelector() as sel:
+            local = []
             for rank in self._ranks:
+                server = _local_server(rank.path) if self._in_process else None
+                if server is not None:
+                    local.append((rank, server))
+                    continue
                 conn = self._connection(rank)
                 if conn is not None:
                     sel.register(conn, selectors.EVENT_WRITE, _Exchange(rank, conn, payload))
+            for rank, server in local:  # the remote ranks work meanwhile
+                self._accept(rank, server.answer(request), limit, answers)
             while sel.get_map():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -597,17 +637,21 @@ class LookupClient:
                         continue
                     sel.unregister(conn)
                     (value,) = REPLY.unpack(ex.reply)
-                    if 0 <= value <= limit:
-                        answers[ex.rank.rank] = value
-                        self._note(ex.rank, "ok")
-                    elif value == -1:
-                        self._note(ex.rank, "server error", "the worker's lookup failed")
-                    else:
-                        ex.rank.drop()
-                        self._note(ex.rank, "bad reply", f"{value} for {limit} tokens")
+                    self._accept(ex.rank, value, limit, answers)
             for key in list(sel.get_map().values()):
                 ex = key.data
                 sel.unregister(key.fileobj)
                 ex.rank.drop()  # a late reply must never answer the next request
                 self._note(ex.rank, "timeout", f"no answer within {self.timeout_s:g} s of the call")
         return answers
+
+    def _accept(self, rank: _Rank, value: int, limit: int, answers: list[int | None]) -> None:
+        """Record ``rank``'s reply ``value``: an answer in ``[0, limit]``, else a miss."""
+        if 0 <= value <= limit:
+            answers[rank.rank] = value
+            self._note(rank, "ok")
+        elif value == -1:
+            self._note(rank, "server error", "the worker's lookup failed")
+        else:
+            rank.drop()
+            self._note(rank, "bad reply", f"{value} for {limit} tokens")

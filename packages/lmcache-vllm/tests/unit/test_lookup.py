@@ -84,8 +84,14 @@ class Harness:
         self.closers.append(server.close)
         return server
 
-    def client(self, key: str, world_size: int, timeout_s: float = 1.0) -> LookupClient:
-        client = LookupClient(key, world_size, timeout_s=timeout_s, base=self.base)
+    def client(
+        self, key: str, world_size: int, timeout_s: float = 1.0, *, in_process: bool = False
+    ) -> LookupClient:
+        """A client; through the sockets unless ``in_process`` (these servers stand for
+        workers in other processes)."""
+        client = LookupClient(
+            key, world_size, timeout_s=timeout_s, base=self.base, in_process=in_process
+        )
         self.closers.append(client.close)
         return client
 
@@ -584,3 +590,24 @@ def test_a_regular_file_at_the_socket_path_is_not_deleted(h, base):
     with pytest.raises(FileExistsError, match="is not a socket"):
         LookupServer("k9", 0, lambda query: 0, lambda: None, base=base)
     assert path.read_text() == "precious"
+
+
+def test_servers_in_this_process_are_called_directly(h):
+    """Same answers as over the socket, no connection made; a closed server is a miss."""
+    seen: list[LookupQuery] = []
+    cleared: list[int] = []
+
+    def lookup(query: LookupQuery) -> int:
+        seen.append(query)
+        return len(query.tokens) // 2
+
+    server = h.server("direct", 0, lookup, lambda: cleared.append(1))
+    direct = h.client("direct", 1, in_process=True)
+    wire = h.client("direct", 1)
+    query = q(list(range(40)), salt="s", req_id="r1")
+    assert direct.lookup(query) == wire.lookup(query) == 20
+    assert seen[0] == seen[1] == query
+    assert direct._ranks[0].conn is None and wire._ranks[0].conn is not None  # no socket used
+    assert direct.clear() and cleared == [1]
+    server.close()
+    assert direct.lookup(query) == 0 and direct.failures >= 1
