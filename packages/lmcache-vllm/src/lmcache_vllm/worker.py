@@ -7,11 +7,14 @@ One per worker process (vLLM keeps one worker-side connector per process). Per s
    saves queued so far (vLLM may now rewrite freed or preempted blocks): on CUDA the compute
    stream waits on the device for each save's gather, the host only until the gathers are
    enqueued; then releases leases of preempted requests and stale ones.
-2. :meth:`WorkerSide.start_load_kv`: one batched ``LMCacheEngine.retrieve`` per request that has
-   a load, using the chunks this rank leased at lookup (:mod:`lmcache_vllm.held_hits`); in
-   layerwise mode every layer is enqueued at once and :meth:`WorkerSide.wait_for_layer_load`
-   orders each layer's compute after its copy (:mod:`lmcache_vllm.worker_layerwise`). Tokens that
-   did not arrive make their blocks a load error (vLLM's ``get_block_ids_with_load_errors``).
+2. :meth:`WorkerSide.start_load_kv`: loads every request's hit from the chunks this rank leased
+   at lookup (:mod:`lmcache_vllm.held_hits`). On CUDA the copies are enqueued on a load stream
+   and the compute stream waits for them on the device (batched: all layers at once;
+   layerwise: in layer groups, :meth:`WorkerSide.wait_for_layer_load` orders each layer's
+   compute after its group, :mod:`lmcache_vllm.worker_layerwise`); the host waits for them only
+   in ``wait_for_save``, after the forward is enqueued. On the CPU, one synchronous
+   ``LMCacheEngine.retrieve`` per request. Tokens that did not arrive make their blocks a load
+   error (vLLM's ``get_block_ids_with_load_errors``).
 3. :meth:`WorkerSide.wait_for_save`: queues one save per request on the
    :class:`~lmcache_vllm.save_queue.SaveQueue` and returns at once (on CUDA the copy is enqueued
    on a store stream after an event recorded after the step's compute, and the commit thread
@@ -111,6 +114,7 @@ class WorkerSide:
         self._stats_lock = threading.Lock()
         self._xfer_lock = threading.Lock()
         self._layerwise: LayerwiseStep | None = None  # built with the caches (device)
+        self._async_loads = False  # CUDA: batched loads are enqueued, not waited for
         self._bound: Any = None  # the metadata bind() last ran for
         self._held = HeldHits()
         self._saves = SaveQueue(f"lmcache-save-rank{rank}")
@@ -148,6 +152,7 @@ class WorkerSide:
             self._xfer_lock, self._saves, first.device, self._fail_whole_load
         )
         self._layer_ids = {n: i for i, n in enumerate(names)}
+        self._async_loads = first.is_cuda
         if self._on_engine is not None:
             self._on_engine(engine)
         self._lookup_server = LookupServer(self.engine_key, self.rank, self._lookup, self._clear)
@@ -275,7 +280,9 @@ class WorkerSide:
             if started is not None:
                 layerwise.append((req, started, held))
         if layerwise and self._layerwise is not None:
-            self._layerwise.start_loads(layerwise, engine.metadata.num_layers)
+            self._layerwise.start_loads(
+                layerwise, engine.metadata.num_layers, whole=not self.config.use_layerwise
+            )
 
     def _load_one(
         self, engine: LMCacheEngine, req: ReqMeta, held: HeldHit | None
@@ -292,7 +299,7 @@ class WorkerSide:
         started = time.perf_counter()
         loaded: torch.Tensor | None = None
         try:
-            if self.config.use_layerwise:
+            if self.config.use_layerwise or self._async_loads:
                 retriever = engine.retrieve_layerwise(
                     tokens, mask, transfer, salt=req.salt, extra_keys=extra, held=held
                 )
@@ -371,10 +378,11 @@ class WorkerSide:
             self._stats.save_seconds += seconds
 
     def wait_for_save(self) -> None:
-        """Queue every request's save of newly computed tokens and return at once."""
+        """Queue every request's save of newly computed tokens and return at once; finish
+        this step's enqueued loads (their leases go, failed ones become load errors)."""
+        if self._layerwise is not None:
+            self._layerwise.finish()  # layerwise: queues this step's commits
         if self.config.use_layerwise:
-            if self._layerwise is not None:
-                self._layerwise.finish()  # queues this step's commits
             return
         meta = self._meta()
         engine = self.lmcache_engine

@@ -1,6 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Layerwise mode of the worker: one step's per-layer loads and saves, off the forward's path.
 
+Batched loads on CUDA use the same machinery with one group of all layers: enqueued on the load
+stream at ``start_load_kv``, the compute stream waits for them on the device at once, and the
+host waits only at ``wait_for_save`` (after the forward is enqueued) to release the leases.
+
 With ``use_layerwise``:
 
 - **Loads prefetch.** ``start_load_kv`` enqueues every layer of every hit at once, in groups of
@@ -110,13 +114,22 @@ class LayerwiseStep:
     # ------------------------------------------------------------------ loads
 
     def start_loads(
-        self, loads: Sequence[tuple[ReqMeta, LayerwiseRetrieve, HeldHit | None]], num_layers: int
+        self,
+        loads: Sequence[tuple[ReqMeta, LayerwiseRetrieve, HeldHit | None]],
+        num_layers: int,
+        *,
+        whole: bool = False,
     ) -> None:
-        """Enqueue every layer of these loads now (see the module docstring)."""
+        """Enqueue every layer of these loads now (see the module docstring); ``whole``: all
+        layers in one transfer, and the compute stream waits for it at once (batched mode on
+        CUDA: the host does not wait for the copy, the forward's kernels queue behind it)."""
         if not loads:
             return
         self._loads += loads
-        for group in layer_groups(num_layers):
+        if self._cuda:  # after everything queued so far (earlier steps may still read pages)
+            self.load_stream.wait_stream(torch.cuda.current_stream(self._device))
+        groups = [range(num_layers)] if whole else layer_groups(num_layers)
+        for group in groups:
             for item in list(self._loads):
                 req, retriever, held = item
                 try:
@@ -137,6 +150,12 @@ class LayerwiseStep:
                 event.record(self.load_stream)
                 for layer in group:
                     self._layer_ready[layer] = event
+
+        if whole and self._cuda:
+            loaded: Any = self._layer_ready.get(0)
+            self._layer_ready.clear()
+            if loaded is not None:
+                torch.cuda.current_stream(self._device).wait_event(loaded)
 
     def wait_layer(self, layer: int) -> None:
         """Order the forward's use of ``layer`` after its loads (a device-side wait)."""
