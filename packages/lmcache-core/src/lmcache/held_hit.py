@@ -22,6 +22,8 @@ import threading
 from collections.abc import Sequence
 from types import TracebackType
 
+import torch
+
 from lmcache.memory import LeaseError, MemoryLease
 
 __all__ = ["HeldHit"]
@@ -46,6 +48,9 @@ class HeldHit:
         self._leases: dict[bytes, MemoryLease] = dict(chunks)
         self._lock = threading.Lock()
         self._released = False
+        self.prefetched: object | None = None
+        """Something derived from the held chunks that lives and dies with the hit (e.g. a
+        connector's device copy of them, made right after the lookup); dropped at release."""
 
     @property
     def released(self) -> bool:
@@ -77,6 +82,17 @@ class HeldHit:
             lease = self._leases.get(key)
             return None if lease is None else lease.share()
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The held chunks' host buffers, in chain order (valid while the hit is held).
+
+        Raises:
+            LeaseError: the hit was released.
+        """
+        with self._lock:
+            if self._released:
+                raise LeaseError(f"HeldHit of {len(self.keys)} chunk(s) was released")
+            return [self._leases[key].tensor for key in self.keys]
+
     def release(self) -> None:
         """Release every held lease (idempotent); the chunks become evictable again."""
         with self._lock:
@@ -85,6 +101,7 @@ class HeldHit:
             self._released = True
             leases = list(self._leases.values())
             self._leases.clear()
+            self.prefetched = None
         for lease in leases:
             lease.release()
 

@@ -32,7 +32,7 @@ from lmcache_vllm.kv_formats import describe
 if TYPE_CHECKING:
     from lmcache.metadata import LMCacheMetadata
 
-__all__ = ["FusedTransfer", "fuse_layers"]
+__all__ = ["FusedTransfer", "Prefetched", "fuse_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +148,7 @@ class _Plan:
     kept: list[tuple[int, int]] = field(default_factory=list)  # staging spans that move
     runs: list[_Run] = field(default_factory=list)
     pieces: int = 0
+    staged: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, buffer ptr)
 
     def token_ids(self) -> torch.Tensor:
         """``[total]`` int64: request token index of every staging token."""
@@ -155,6 +156,35 @@ class _Plan:
 
     def kept_positions(self) -> torch.Tensor:
         return torch.cat([torch.arange(a, b) for a, b in self.kept])
+
+
+@dataclass
+class Prefetched:
+    """A device copy of whole chunks, all layers, in the chunk-major staging layout.
+
+    Made by :meth:`FusedTransfer.prefetch` on ``stream``; complete once ``event`` is. A later
+    load whose staged chunks are a run of these (same token ranges, same host buffers) scatters
+    from ``staging`` instead of copying from the host.
+    """
+
+    staging: torch.Tensor
+    chunks: list[tuple[int, int, int]]  # (start, end, host buffer ptr) of each chunk
+    offsets: list[int]  # byte offset of each chunk in staging
+    event: Any
+    stream: Any
+
+    def base_for(self, plan: _Plan) -> int | None:
+        """Byte offset in ``staging`` of ``plan``'s first staged chunk, or ``None`` unless the
+        plan's staged chunks are consecutive chunks of this copy."""
+        if not plan.staged:
+            return None
+        try:
+            i = self.chunks.index(plan.staged[0])
+        except ValueError:
+            return None
+        if self.chunks[i : i + len(plan.staged)] != plan.staged:
+            return None
+        return self.offsets[i]
 
 
 class FusedTransfer:
@@ -307,6 +337,7 @@ class FusedTransfer:
         pos, piece, fill = 0, -1, 0
         for c, t0 in staged:
             n = c.num_tokens
+            plan.staged.append((c.start, c.end, c.buffer.data_ptr()))
             if plan.tokens and plan.tokens[-1][1] == c.start:
                 plan.tokens[-1] = (plan.tokens[-1][0], c.end)
             else:
@@ -616,9 +647,61 @@ class FusedTransfer:
             self._sync(transfer)
         check()
 
+    def prefetch(self, chunks: Sequence[ChunkTransfer], stream: Any) -> Prefetched | None:
+        """Copy whole chunks (all layers) to a new device staging buffer now, on ``stream``.
+
+        For a load that comes later (pass the result as ``TransferSpec.staged``): the copy
+        overlaps whatever the engine does meanwhile, and the load only scatters. ``None``
+        unless this is a CUDA connector on the fused path. The chunks' host buffers must not
+        change until the returned event completes (leased chunks never do).
+        """
+        if self.device.type != "cuda" or not self._fused_any or not chunks:
+            return None
+        plan = self._plan(range(self.num_layers), chunks, 0, piece_bytes=0)
+        with torch.cuda.stream(stream):
+            staging = torch.empty(
+                plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
+            )
+            self._copy_runs(plan, staging, to_host=False)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        offsets, pos = [], 0
+        for start, end, _ in plan.staged:
+            offsets.append(pos * plan.row_bytes)
+            pos += end - start
+        return Prefetched(staging, plan.staged, offsets, event, stream)
+
+    def _fused_to_staged(
+        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> bool:
+        """Scatter from ``transfer.staged`` when it covers the chunks; ``False``: not used."""
+        pre = transfer.staged
+        if (
+            not isinstance(pre, Prefetched)
+            or self.device.type != "cuda"
+            or layers != range(self.num_layers)
+        ):
+            return False
+        plan = self._plan(layers, chunks, transfer.skip_tokens, piece_bytes=0)
+        base = pre.base_for(plan)
+        if base is None:
+            return False
+        with self._stream_ctx(transfer):
+            idx, check = self._fused_indices(plan, transfer)
+            main = torch.cuda.current_stream(self.device)
+            main.wait_event(pre.event)
+            if main != pre.stream:
+                pre.staging.record_stream(main)
+            check()
+            self._scatter(plan, pre.staging[base:], layers, idx, -1)
+        self._last_stream = transfer.stream
+        return True
+
     def _fused_to(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
     ) -> None:
+        if transfer.staged is not None and self._fused_to_staged(layers, chunks, transfer):
+            return
         plan = self._plan(layers, chunks, transfer.skip_tokens)
         if plan.total == 0:
             return

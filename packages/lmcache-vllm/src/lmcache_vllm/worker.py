@@ -30,9 +30,11 @@ has its own device staging buffer).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -41,13 +43,14 @@ import torch
 
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.config import LMCacheConfig
-from lmcache.gpu_connector import TransferSpec
+from lmcache.gpu_connector import ChunkTransfer, TransferSpec
 from lmcache_vllm.connector_metadata import (
     ENGINE_COUNTERS,
     LMCacheConnectorMetadata,
     ReqMeta,
     WorkerStats,
 )
+from lmcache_vllm.fused_transfer import FusedTransfer
 from lmcache_vllm.held_hits import HeldHits
 from lmcache_vllm.kv_registration import build_engine, order_caches
 from lmcache_vllm.lookup import LookupQuery, LookupServer
@@ -115,6 +118,7 @@ class WorkerSide:
         self._xfer_lock = threading.Lock()
         self._layerwise: LayerwiseStep | None = None  # built with the caches (device)
         self._async_loads = False  # CUDA: batched loads are enqueued, not waited for
+        self._prefetching = 0  # bytes of device copies of hits made ahead of their load
         self._bound: Any = None  # the metadata bind() last ran for
         self._held = HeldHits()
         self._saves = SaveQueue(f"lmcache-save-rank{rank}")
@@ -181,8 +185,55 @@ class WorkerSide:
         ):
             hit.release()  # a save of the missing chunks was queued: look again
             hit = engine.lookup_and_lease(query.tokens, salt=query.salt, extra_keys=extra)
+        self._prefetch(engine, hit)
         self._held.put(query.req_id, hit, len(query.tokens), query.salt)
         return hit.num_tokens
+
+    prefetch_budget_bytes: int = 2 << 30
+    """Device memory that hits copied ahead of their load may hold at once (CUDA)."""
+
+    def _prefetch(self, engine: LMCacheEngine, hit: HeldHit) -> None:
+        """CUDA, batched mode: start copying a fresh hit to the device now, so the load at the
+        step's start only scatters it into vLLM's pages (the copy overlaps vLLM's scheduling and
+        input preparation). Skipped past :attr:`prefetch_budget_bytes`; never fails a lookup."""
+        connector = engine.gpu_connector
+        lw = self._layerwise
+        if (
+            not self._async_loads
+            or self.config.use_layerwise
+            or hit.num_tokens <= 0
+            or lw is None
+            or not isinstance(connector, FusedTransfer)
+        ):
+            return
+        nbytes = connector.chunk_nbytes(hit.num_tokens)
+        with self._stats_lock:
+            if self._prefetching + nbytes > self.prefetch_budget_bytes:
+                return
+            self._prefetching += nbytes
+        try:
+            tensors = hit.tensors()
+            size = self.chunk_size
+            chunks = [
+                ChunkTransfer(i * size, min((i + 1) * size, hit.num_tokens), t)
+                for i, t in enumerate(tensors)
+            ]
+            connector.check_chunks(
+                chunks, TransferSpec(torch.empty(hit.num_tokens, dtype=torch.long))
+            )
+            done = connector.prefetch(chunks, lw.load_stream)
+        except Exception as exc:  # a device copy ahead of time is an optimisation only
+            logger.debug("lmcache: no prefetch of a hit (%s)", exc)
+            done = None
+        if done is None:
+            self._prefetch_freed(nbytes)
+            return
+        weakref.finalize(done.staging, self._prefetch_freed, nbytes)
+        hit.prefetched = done
+
+    def _prefetch_freed(self, nbytes: int) -> None:
+        with self._stats_lock:
+            self._prefetching -= nbytes
 
     def _clear(self) -> None:
         """Drop this engine's chunks, after the saves queued so far (a reset is a reset)."""
@@ -295,6 +346,8 @@ class WorkerSide:
             self._record_load(req, None)
             return None
         tokens, mask, transfer, _ = plan
+        if held is not None and held.prefetched is not None:
+            transfer = dataclasses.replace(transfer, staged=held.prefetched)
         extra = req.extra_keys or None
         started = time.perf_counter()
         loaded: torch.Tensor | None = None

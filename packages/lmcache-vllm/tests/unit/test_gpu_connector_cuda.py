@@ -163,3 +163,75 @@ def test_fused_pipelined_matches_per_layer_llama_like(slots_on, tokens, alloc, m
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     for x in leases:
         x.release()
+
+
+@pytest.mark.parametrize("alloc", ["one-buffer", "per-layer"])
+def test_prefetched_chunks_load_like_host_chunks(alloc, monkeypatch):
+    """A load from ``prefetch``'s device copy writes exactly what a load from the host writes,
+    with no host copy at load time; a skip that drops leading chunks uses the rest of the copy;
+    chunks the copy does not cover fall back to the host."""
+    from lmcache.config import LMCacheConfig
+    from lmcache.gpu_connector import ChunkTransfer, TransferSpec
+    from lmcache.memory.pinned_pool import HostMemoryPool
+    from lmcache.metadata import LMCacheMetadata
+    from lmcache_vllm.fused_transfer import Prefetched
+
+    L, H, D, P, CS, NB, N = 3, 4, 64, 16, 64, 64, 200
+    md = LMCacheMetadata(
+        model_name="m", world_size=1, worker_id=0, local_worker_id=0, local_world_size=1,
+        kv_dtype=torch.bfloat16, num_layers=L, num_kv_heads=H, head_size_k=D, head_size_v=D,
+        chunk_size=CS,
+    )  # fmt: skip
+
+    def engine(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        phys = torch.randint(-32768, 32767, (L, NB, P, H, 2 * D), device="cuda", generator=g)
+        views = [phys.to(torch.int16).view(torch.bfloat16)[i].permute(0, 2, 1, 3) for i in range(L)]
+        if alloc == "per-layer":
+            views = [v.permute(0, 2, 1, 3).clone().permute(0, 2, 1, 3) for v in views]
+        return views
+
+    def conn(views):
+        return VLLMPagedConnector(
+            LMCacheConfig(chunk_size=CS), md, EngineInfo("vllm", "cuda", views, {"block_size": P})
+        )
+
+    pool = HostMemoryPool(64 << 20)
+    src = conn(engine(1))
+    ranges = [(s, min(s + CS, N)) for s in range(0, N, CS)]
+    leases = [pool.allocate(src.chunk_shape(e - s), torch.bfloat16) for s, e in ranges]
+    chunks = [ChunkTransfer(s, e, x.tensor) for (s, e), x in zip(ranges, leases, strict=True)]
+    slots = (torch.randperm(NB - 1)[: -(-N // P)] + 1)[:, None] * P + torch.arange(P)
+    slots = slots.reshape(-1)[:N]
+    src.from_gpu(chunks, TransferSpec(slots))
+    stream = torch.cuda.Stream()
+    pre = src.prefetch(chunks, stream)
+    assert isinstance(pre, Prefetched)
+    copies = []
+    real_copy_runs = type(src)._copy_runs
+    monkeypatch.setattr(
+        type(src),
+        "_copy_runs",
+        lambda self, *a, **k: (copies.append(1), real_copy_runs(self, *a, **k)),
+    )
+    for skip in (0, 5, CS + 3):  # 5: inside chunk 0; CS + 3: chunk 0 dropped, suffix used
+        lslots = slots.clone()
+        lslots[:skip] = -1
+        a, b = engine(2), engine(2)
+        copies.clear()
+        conn(a).to_gpu(chunks, TransferSpec(lslots, skip_tokens=skip, staged=pre))
+        assert copies == []  # scattered from the device copy
+        conn(b).to_gpu(chunks, TransferSpec(lslots, skip_tokens=skip))
+        torch.cuda.synchronize()
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    other = [ChunkTransfer(0, CS, pool.allocate(src.chunk_shape(CS), torch.bfloat16).tensor)]
+    other[0].buffer.copy_(chunks[0].buffer)
+    a, b = engine(3), engine(3)
+    copies.clear()
+    conn(a).to_gpu(other, TransferSpec(slots[:CS], staged=pre))  # other buffer: not covered
+    assert copies  # from the host
+    conn(b).to_gpu(chunks[:1], TransferSpec(slots[:CS]))
+    torch.cuda.synchronize()
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))

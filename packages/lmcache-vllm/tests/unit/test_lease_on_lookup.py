@@ -251,3 +251,44 @@ def test_next_step_rewrites_saved_pages_only_after_the_save_read_them(tmp_path):
         assert torch.equal(got.view(torch.int32), original[:, :full].view(torch.int32))
     finally:
         rig.close()
+
+
+@pytest.mark.gpu
+def test_a_hit_is_copied_to_the_device_at_lookup_and_loads_exactly(tmp_path):
+    """CUDA, batched: the lookup starts the hit's host-to-device copy; the load scatters it
+    (bit-exact); the device copy goes with the lease, budget included; past the budget a hit
+    loads from the host as before."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import gc
+
+    rig = Rig(tmp_path, budget_chunks=8, device="cuda")
+    try:
+        a, b = _prompt(50), _prompt(51)
+        src_a, src_b = rig.store("wa", a), rig.store("wb", b)
+        want_a, want_b = rig.pages(src_a).clone(), rig.pages(src_b).clone()
+        promised = rig.scheduler.get_num_new_matched_tokens(_request("ra", a), 0)
+        assert promised == PROMPT - BLOCK
+        held = rig.worker._held._held["ra"].hit
+        assert held.prefetched is not None and rig.worker._prefetching > 0
+        rig.worker.prefetch_budget_bytes = rig.worker._prefetching  # b will not fit
+        assert rig.scheduler.get_num_new_matched_tokens(_request("rb", b), 0) == promised
+        assert rig.worker._held._held["rb"].hit.prefetched is None
+        dst_a, dst_b = rig.blocks(PROMPT), rig.blocks(PROMPT)
+        for c in rig.caches.values():
+            c[dst_a + dst_b] = float("nan")
+        rig.step(
+            ReqMeta("ra", a, dst_a, load=LoadSpec(0, PROMPT, promised)),
+            ReqMeta("rb", b, dst_b, load=LoadSpec(0, PROMPT, promised)),
+        )
+        torch.cuda.synchronize()
+        assert rig.worker.get_block_ids_with_load_errors() == set()
+        full = promised // BLOCK
+        for dst, want in ((dst_a, want_a), (dst_b, want_b)):
+            got = rig.pages(dst)[:, :full]
+            assert torch.equal(got.view(torch.int32), want[:, :full].view(torch.int32))
+        del held
+        gc.collect()
+        assert rig.worker._prefetching == 0  # the copy was freed with the lease
+    finally:
+        rig.close()

@@ -101,6 +101,9 @@ class TransferSpec:
             on ``stream`` at that moment may rewrite the engine's pages. A connector that does
             not call it reads them until ``from_gpu`` returns (and, deferred, until its copies
             complete).
+        staged: Load only: what the connector's own ``prefetch`` returned for these chunks (a
+            device copy of their bytes, made earlier); a connector that finds it covers the
+            chunks scatters from it instead of copying from the host, else ignores it.
     """
 
     slot_mapping: torch.Tensor
@@ -108,6 +111,7 @@ class TransferSpec:
     stream: Any = None
     deferred: bool = False
     on_engine_read: Callable[[], None] | None = None
+    staged: Any = None
 
 
 @dataclass(frozen=True)
