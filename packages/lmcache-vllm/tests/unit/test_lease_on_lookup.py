@@ -254,15 +254,21 @@ def test_next_step_rewrites_saved_pages_only_after_the_save_read_them(tmp_path):
 
 
 @pytest.mark.gpu
-def test_a_hit_is_copied_to_the_device_at_lookup_and_loads_exactly(tmp_path):
-    """CUDA, batched: the lookup starts the hit's host-to-device copy; the load scatters it
-    (bit-exact); the device copy goes with the lease, budget included; past the budget a hit
-    loads from the host as before."""
+@pytest.mark.parametrize("via", ["in-process", "socket"])
+def test_a_hit_is_copied_to_the_device_at_lookup_and_loads_exactly(tmp_path, via):
+    """CUDA, batched: the lookup starts the hit's host-to-device copy (on the scheduler's thread
+    when the worker is in its process, on the lookup server's thread over the socket); the load
+    scatters it (bit-exact); the device copy goes with the lease, budget included; past the
+    budget a hit loads from the host as before."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     import gc
 
+    from lmcache_vllm.lookup import LookupClient
+
     rig = Rig(tmp_path, budget_chunks=8, device="cuda")
+    if via == "socket":  # as with tensor parallelism: the worker in another process
+        rig.scheduler._lookup_client = LookupClient(rig.scheduler.engine_key, 1, in_process=False)
     try:
         a, b = _prompt(50), _prompt(51)
         src_a, src_b = rig.store("wa", a), rig.store("wb", b)
