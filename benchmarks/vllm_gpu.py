@@ -10,7 +10,9 @@ Model: a random 8-layer Llama with Llama-3-8B attention geometry (hidden 4096, 3
 other in this process, eager mode, 16-token blocks. Per engine (no lmcache, then lmcache with
 the given config, its host pool pinned before timing):
 
-- ``cold``: TTFT (``max_tokens=1`` wall time) of a prompt never seen, median over ``--reps``;
+- ``cold``: TTFT of a prompt never seen (vLLM's own figure, ``RequestOutput.metrics.
+  first_token_latency``: what ``vllm:time_to_first_token_seconds`` reports), median over
+  ``--reps``; ``generate()``'s wall time (``max_tokens=1``) is printed beside it;
 - ``warm``: the same prompts again after ``reset_prefix_cache()`` (vLLM's own cache emptied:
   without lmcache that is a recompute, with lmcache a load);
 - ``throughput``: prompt tokens per second for a batch of distinct 2k-token prompts (0 % reuse).
