@@ -234,8 +234,6 @@ class FusedTransfer:
         # Fused all-layer view (see _setup_fused); None -> the per-layer path.
         self._fused: torch.Tensor | None = None
         self._fused_layers: list[torch.Tensor] | None = None  # one view per layer instead
-        self._fused_ref: torch.Tensor | None = None  # _fused, or layer 0's view
-        self._fused_lead = 1  # leading (layer) axes of _fused_ref
         self._fused_split = False  # head_k != head_v: rows are [heads, K||V], split on copy
         self._fused_by_slot = False  # _fused is [L, slots, *row], else [L, B, N, *row]
         self._layer_ids = torch.empty(0, dtype=torch.int64)
@@ -262,8 +260,6 @@ class FusedTransfer:
         fused = fuse_layers(self._caches)
         if fused is not None:
             self._fused = self._row_view(fused, 1)
-            self._fused_ref = self._fused
-            self._fused_lead = 1
             self._layer_ids = torch.arange(self.num_layers, dtype=torch.int64, device=self.device)
             self._all_layers = self._layer_ids.view(1, -1, 1)
             return
@@ -276,8 +272,6 @@ class FusedTransfer:
             )
             return
         self._fused_layers = [self._row_view(t, 0) for t in self._caches]
-        self._fused_ref = self._fused_layers[0]
-        self._fused_lead = 0
 
     def _row_view(self, t: torch.Tensor, lead: int) -> torch.Tensor:
         """``t`` (``[*lead, B, H, N, C]``, MLA ``[*lead, B, N, D]``) as ``[*lead, slots, *row]``
@@ -495,8 +489,8 @@ class FusedTransfer:
         for slot in ring:
             if slot[1] is None or slot[1].query():
                 if slot[0].numel() < numel:
-                    slot[0] = torch.empty(max(numel, 2 * slot[0].numel()), dtype=torch.int64,
-                                          pin_memory=True)  # fmt: skip
+                    size = max(numel, 2 * slot[0].numel())
+                    slot[0] = torch.empty(size, dtype=torch.int64, pin_memory=True)
                 slot[1] = None
                 ring.remove(slot)
                 ring.append(slot)  # most recently used last: the first busy one is the oldest
@@ -517,8 +511,11 @@ class FusedTransfer:
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """``(token index tensors [g, 1, n - t0] each, staging view [g, layers, n - t0, *row])``
         of one op."""
-        ref = self._fused_ref
-        assert ref is not None
+        if self._fused is not None:
+            ref, lead = self._fused, 1  # lead: the layer axis of the one view
+        else:
+            assert self._fused_layers is not None
+            ref, lead = self._fused_layers[0], 0
         nl = op.l1 - op.l0
         tok = idx[:, op.pos : op.pos + op.g * op.n]
         if op.t0:
@@ -529,7 +526,7 @@ class FusedTransfer:
         if self._fused_split:
             view = region.view(self.dtype).view(op.g, nl, op.n, self.kv_width)
         else:
-            skip = self._fused_lead + (1 if self._fused_by_slot else 2)
+            skip = lead + (1 if self._fused_by_slot else 2)
             view = region.view(ref.dtype).view(op.g, nl, op.n, *ref.shape[skip:])
         if op.t0:
             view = view[:, :, op.t0 :]

@@ -303,7 +303,6 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, LayerRangeConnector):
         self._caches = []
         self._fused = None
         self._fused_layers = None
-        self._fused_ref = None
         self._kt_v_sources = []
         self._pinned_idx = []
         self._pinned_lo_hi = None
