@@ -231,7 +231,7 @@ def main() -> None:
     if args.sync_saves:
         from lmcache_vllm.save_queue import SaveQueue
 
-        def _inline(self: SaveQueue, req_id: str, copy: Any) -> None:
+        def _inline(self: SaveQueue, req_id: str, copy: Any, fence: Any = None) -> None:
             commit = copy()
             if callable(commit):
                 commit()
