@@ -164,7 +164,9 @@ class Prefetched:
 
     Made by :meth:`FusedTransfer.prefetch` on ``stream``; complete once ``event`` is. A later
     load whose staged chunks are a run of these (same token ranges, same host buffers) scatters
-    from ``staging`` instead of copying from the host.
+    from ``staging`` instead of copying from the host. Copied in layer groups, ``layer_events``
+    holds ``(layer stop, event)`` per group, in order: a load of layers ``< stop`` waits only
+    for that group's event.
     """
 
     staging: torch.Tensor
@@ -172,6 +174,17 @@ class Prefetched:
     offsets: list[int]  # byte offset of each chunk in staging
     event: Any
     stream: Any
+    layer_events: list[tuple[int, Any]] = field(default_factory=list)
+    # (transfer, chunk ranges and buffers) -> (plan, base, device indices) of the last load from
+    # this copy: a layerwise load scatters it in several layer groups with the same indices
+    scatter_plan: tuple[Any, ...] | None = None
+
+    def event_for(self, stop: int) -> Any:
+        """The event after which layers ``0 .. stop - 1`` of every chunk are on the device."""
+        for group_stop, event in self.layer_events:
+            if group_stop >= stop:
+                return event
+        return self.event
 
     def base_for(self, plan: _Plan) -> int | None:
         """Byte offset in ``staging`` of ``plan``'s first staged chunk, or ``None`` unless the
@@ -534,11 +547,14 @@ class FusedTransfer:
 
     def _op_layers(self, layers: range, op: _Op) -> torch.Tensor:
         """Layer index ``[1, layers, 1]`` of one op on the one-view path."""
-        nl = op.l1 - op.l0
-        if nl == self.num_layers:
-            return self._all_layers
         a = layers.start + op.l0
-        return self._layer_ids[a : a + nl].view(1, -1, 1)
+        return self._layer_index(a, a + op.l1 - op.l0)
+
+    def _layer_index(self, a: int, b: int) -> torch.Tensor:
+        """Layer index ``[1, b - a, 1]`` of layers ``a .. b - 1`` on the one-view path."""
+        if b - a == self.num_layers:
+            return self._all_layers
+        return self._layer_ids[a:b].view(1, -1, 1)
 
     def _split_kv(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[..., kv_width]`` -> K ``[..., H, head_k]`` and V ``[..., H, head_v]`` views."""
@@ -575,22 +591,36 @@ class FusedTransfer:
                 self._gather_into(src, per_layer, out[:, j])
 
     def _scatter(
-        self, plan: _Plan, staging: torch.Tensor, layers: range, idx: torch.Tensor, piece: int
+        self,
+        plan: _Plan,
+        staging: torch.Tensor,
+        layers: range,
+        idx: torch.Tensor,
+        piece: int,
+        only: range | None = None,
     ) -> None:
-        """Scatter every op of ``piece`` (all ops when ``piece < 0``) into the cache."""
+        """Scatter every op of ``piece`` (all ops when ``piece < 0``) into the cache; ``only``:
+        just these layers of the staged ``layers``."""
         for op in plan.ops:
             if piece >= 0 and op.piece != piece:
                 continue
             tok, src = self._op_views(plan, staging, layers, idx, op)
+            a, b = layers.start + op.l0, layers.start + op.l1  # the layers this op holds
+            if only is not None:
+                lo, hi = max(a, only.start), min(b, only.stop)
+                if lo >= hi:
+                    continue
+                src = src[:, lo - a : hi - a]
+                a, b = lo, hi
             if self._fused_split:
                 src = torch.cat(self._split_kv(src), dim=-1)
             if self._fused is not None:
-                self._fused.index_put_((self._op_layers(layers, op), *tok), src)
+                self._fused.index_put_((self._layer_index(a, b), *tok), src)
                 continue
             assert self._fused_layers is not None
             per_layer = tuple(t.squeeze(1) for t in tok)
-            for j in range(op.l1 - op.l0):
-                self._fused_layers[layers.start + op.l0 + j].index_put_(per_layer, src[:, j])
+            for j in range(b - a):
+                self._fused_layers[a + j].index_put_(per_layer, src[:, j])
 
     def _copy_runs(
         self, plan: _Plan, staging: torch.Tensor, to_host: bool, piece: int = -1
@@ -644,53 +674,89 @@ class FusedTransfer:
             self._sync(transfer)
         check()
 
-    def prefetch(self, chunks: Sequence[ChunkTransfer], stream: Any) -> Prefetched | None:
+    def prefetch(
+        self, chunks: Sequence[ChunkTransfer], stream: Any, groups: Sequence[range] = ()
+    ) -> Prefetched | None:
         """Copy whole chunks (all layers) to a new device staging buffer now, on ``stream``.
 
         For a load that comes later (pass the result as ``TransferSpec.staged``): the copy
-        overlaps whatever the engine does meanwhile, and the load only scatters. ``None``
-        unless this is a CUDA connector on the fused path. The chunks' host buffers must not
-        change until the returned event completes (leased chunks never do).
+        overlaps whatever the engine does meanwhile, and the load only scatters. With
+        ``groups`` (consecutive layer ranges from layer 0, e.g. a layerwise load's groups) the
+        copy goes group by group, recording an event after each, so a load of the first layers
+        waits only for their copy. ``None`` unless this is a CUDA connector on the fused path.
+        The chunks' host buffers must not change until the returned event completes (leased
+        chunks never do).
         """
         if self.device.type != "cuda" or not self._fused_any or not chunks:
             return None
-        plan = self._plan(range(self.num_layers), chunks, 0, piece_bytes=0)
+        full = range(self.num_layers)
+        plan = self._plan(full, chunks, 0, piece_bytes=0)
+        grouped = (  # groups that tile every layer in order; anything else: one copy
+            len(groups) > 1
+            and groups[0].start == 0
+            and groups[-1].stop == full.stop
+            and all(g.step == 1 and g.start < g.stop for g in groups)
+            and all(x.stop == y.start for x, y in itertools.pairwise(groups))
+        )
+        layer_events: list[tuple[int, Any]] = []
         with torch.cuda.stream(stream):
             staging = torch.empty(
                 plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
             )
-            self._copy_runs(plan, staging, to_host=False)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
+            if grouped:  # layer-major: group g of every chunk, then group g + 1
+                runs = _Plan(plan.row_bytes, plan.layer_bytes, [])
+                for piece, group in enumerate(groups):
+                    pos = 0
+                    for c in chunks:
+                        n = c.num_tokens
+                        self._add_run(
+                            runs,
+                            pos * plan.row_bytes + group.start * n * plan.layer_bytes,
+                            len(group) * n * plan.layer_bytes,
+                            c.buffer[group.start : group.stop],
+                            piece,
+                        )
+                        pos += n
+                    self._copy_runs(runs, staging, to_host=False, piece=piece)
+                    layer_events.append((group.stop, stream.record_event()))
+                event = layer_events[-1][1]
+            else:
+                self._copy_runs(plan, staging, to_host=False)
+                event = stream.record_event()
         offsets, pos = [], 0
         for start, end, _ in plan.staged:
             offsets.append(pos * plan.row_bytes)
             pos += end - start
-        return Prefetched(staging, plan.staged, offsets, event, stream)
+        return Prefetched(staging, plan.staged, offsets, event, stream, layer_events)
 
     def _fused_to_staged(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
     ) -> bool:
-        """Scatter from ``transfer.staged`` when it covers the chunks; ``False``: not used."""
+        """Scatter ``layers`` from ``transfer.staged`` when it covers the chunks (waiting only
+        for the copy of those layers); ``False``: not used."""
         pre = transfer.staged
-        if (
-            not isinstance(pre, Prefetched)
-            or self.device.type != "cuda"
-            or layers != range(self.num_layers)
-        ):
+        if not isinstance(pre, Prefetched) or self.device.type != "cuda":
             return False
-        plan = self._plan(layers, chunks, transfer.skip_tokens, piece_bytes=0)
-        base = pre.base_for(plan)
-        if base is None:
-            return False
+        full = range(self.num_layers)
+        key = [(c.start, c.end, c.buffer.data_ptr()) for c in chunks]
+        cached = pre.scatter_plan
         with self._stream_ctx(transfer):
-            idx, check = self._fused_indices(plan, transfer)
+            if cached is not None and cached[0] is transfer and cached[1] == key:
+                plan, base, idx = cached[2:]  # checked when first built
+            else:
+                plan = self._plan(full, chunks, transfer.skip_tokens, piece_bytes=0)
+                found = pre.base_for(plan)
+                if found is None:
+                    return False
+                base = found
+                idx, check = self._fused_indices(plan, transfer)
+                check()
+                pre.scatter_plan = (transfer, key, plan, base, idx)
             main = torch.cuda.current_stream(self.device)
-            main.wait_event(pre.event)
+            main.wait_event(pre.event_for(layers.stop))
             if main != pre.stream:
                 pre.staging.record_stream(main)
-            check()
-            self._scatter(plan, pre.staging[base:], layers, idx, -1)
+            self._scatter(plan, pre.staging[base:], full, idx, -1, only=layers)
         self._last_stream = transfer.stream
         return True
 

@@ -56,7 +56,7 @@ from lmcache_vllm.kv_registration import build_engine, order_caches
 from lmcache_vllm.lookup import LookupQuery, LookupServer
 from lmcache_vllm.save_queue import CommitJob, CopyJob, ReadFence, SaveQueue, UnpublishedSaves
 from lmcache_vllm.transfer_plan import load_outcome, load_plan, skip_mask, slot_mapping
-from lmcache_vllm.worker_layerwise import LayerwiseStep, PendingSave
+from lmcache_vllm.worker_layerwise import LayerwiseStep, PendingSave, layer_groups
 
 if TYPE_CHECKING:
     from lmcache.cache_engine import LayerwiseRetrieve
@@ -193,15 +193,17 @@ class WorkerSide:
     """Device memory that hits copied ahead of their load may hold at once (CUDA)."""
 
     def _prefetch(self, engine: LMCacheEngine, hit: HeldHit) -> None:
-        """CUDA, batched mode: start copying a fresh hit to the device now, so the load at the
-        step's start only scatters it into vLLM's pages (the copy overlaps vLLM's scheduling and
-        input preparation). Skipped past :attr:`prefetch_budget_bytes`; never fails a lookup."""
+        """CUDA: start copying a fresh hit to the device now, on the copy stream, so the load at
+        the step's start only scatters it into vLLM's pages (the copy overlaps vLLM's scheduling
+        and input preparation). Layerwise, the copy goes in the load's layer groups, each
+        scattered as soon as its own copy is in. Skipped past :attr:`prefetch_budget_bytes`;
+        never fails a lookup."""
         connector = engine.gpu_connector
         lw = self._layerwise
         if (
             not self._async_loads
-            or self.config.use_layerwise
             or hit.num_tokens <= 0
+            or hit.prefetched is not None
             or lw is None
             or not isinstance(connector, FusedTransfer)
         ):
@@ -221,7 +223,8 @@ class WorkerSide:
             connector.check_chunks(
                 chunks, TransferSpec(torch.empty(hit.num_tokens, dtype=torch.long))
             )
-            done = connector.prefetch(chunks, lw.load_stream)
+            groups = layer_groups(connector.num_layers) if self.config.use_layerwise else ()
+            done = connector.prefetch(chunks, lw.copy_stream, groups)
         except Exception as exc:  # a device copy ahead of time is an optimisation only
             logger.debug("lmcache: no prefetch of a hit (%s)", exc)
             done = None
@@ -346,6 +349,8 @@ class WorkerSide:
             self._record_load(req, None)
             return None
         tokens, mask, transfer, _ = plan
+        if held is not None and self.config.use_layerwise:
+            self._prefetch(engine, held)  # not copied at lookup (budget): copy per layer group
         if held is not None and held.prefetched is not None:
             transfer = dataclasses.replace(transfer, staged=held.prefetched)
         extra = req.extra_keys or None

@@ -11,7 +11,9 @@ With ``use_layerwise``:
   1, 4, 16, ... layers (:func:`layer_groups`; one transfer per group): on CUDA on a load
   stream, recording an event per group, so later layers copy while earlier ones compute;
   ``wait_for_layer_load(i)`` only makes the compute stream wait for layer ``i``'s group (no host
-  wait). On the CPU the copies run in ``start_load_kv``.
+  wait). A hit's host-to-device copy normally started at its lookup, on :attr:`copy_stream`, in
+  the same groups (``FusedTransfer.prefetch``); the load stream then only scatters, each group as
+  soon as its copy is in. On the CPU the copies run in ``start_load_kv``.
 - **Saves are queued.** ``save_kv_layer(i)`` records an event after layer ``i``'s compute (CUDA)
   and queues the copy of that layer on the :class:`~lmcache_vllm.save_queue.SaveQueue`'s copy
   thread (on a store stream that waits for the event), returning at once; the step's end queues
@@ -105,10 +107,12 @@ class LayerwiseStep:
         self._layer_ready: dict[int, Any] = {}  # layer -> CUDA event after its loads
         self._saving: list[PendingSave] = []
         self.saves_started = False
-        self.load_stream: Any = None
+        self.load_stream: Any = None  # scatters into the engine's pages
+        self.copy_stream: Any = None  # host -> device copies of hits ahead of their scatter
         self.store_stream: Any = None
         if self._cuda:
             self.load_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            self.copy_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             self.store_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------ loads

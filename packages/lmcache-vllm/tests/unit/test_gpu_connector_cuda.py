@@ -225,6 +225,27 @@ def test_prefetched_chunks_load_like_host_chunks(alloc, monkeypatch):
         torch.cuda.synchronize()
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    # copied in layer groups: each layer range scatters after its own group's copy
+    grouped = src.prefetch(chunks, stream, [range(0, 1), range(1, L)])
+    assert isinstance(grouped, Prefetched)
+    assert [stop for stop, _ in grouped.layer_events] == [1, L]
+    assert grouped.event_for(1) is grouped.layer_events[0][1]
+    assert grouped.event_for(2) is grouped.event
+    gap = src.prefetch(chunks, stream, [range(0, 1), range(2, L)])  # layer 1 missing: one copy
+    assert gap is not None and gap.layer_events == [] and gap.event_for(1) is gap.event
+    for skip in (0, 5, CS + 3):
+        lslots = slots.clone()
+        lslots[:skip] = -1
+        a, b = engine(4), engine(4)
+        copies.clear()
+        ca, cb = conn(a), conn(b)
+        for layers in (range(0, 1), range(1, 2), range(2, L)):  # not the copy's groups
+            ca.to_gpu_layers(layers, chunks, TransferSpec(lslots, skip_tokens=skip, staged=grouped))
+            cb.to_gpu_layers(layers, chunks, TransferSpec(lslots, skip_tokens=skip))
+        assert len(copies) == 3  # b's three host copies only
+        torch.cuda.synchronize()
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x.view(torch.int16), y.view(torch.int16))
     other = [ChunkTransfer(0, CS, pool.allocate(src.chunk_shape(CS), torch.bfloat16).tensor)]
     other[0].buffer.copy_(chunks[0].buffer)
     a, b = engine(3), engine(3)

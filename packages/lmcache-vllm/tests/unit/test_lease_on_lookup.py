@@ -255,18 +255,19 @@ def test_next_step_rewrites_saved_pages_only_after_the_save_read_them(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("via", ["in-process", "socket"])
-def test_a_hit_is_copied_to_the_device_at_lookup_and_loads_exactly(tmp_path, via):
-    """CUDA, batched: the lookup starts the hit's host-to-device copy (on the scheduler's thread
-    when the worker is in its process, on the lookup server's thread over the socket); the load
-    scatters it (bit-exact); the device copy goes with the lease, budget included; past the
-    budget a hit loads from the host as before."""
+def test_a_hit_is_copied_to_the_device_at_lookup_and_loads_exactly(tmp_path, via, layerwise):
+    """CUDA: the lookup starts the hit's host-to-device copy (on the scheduler's thread when the
+    worker is in its process, on the lookup server's thread over the socket; layerwise, in the
+    load's layer groups, one event each); the load scatters it (bit-exact); the device copy goes
+    with the lease, budget included; past the budget a hit loads from the host as before."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     import gc
 
     from lmcache_vllm.lookup import LookupClient
+    from lmcache_vllm.worker_layerwise import layer_groups
 
-    rig = Rig(tmp_path, budget_chunks=8, device="cuda")
+    rig = Rig(tmp_path, budget_chunks=8, device="cuda", use_layerwise=layerwise)
     if via == "socket":  # as with tensor parallelism: the worker in another process
         rig.scheduler._lookup_client = LookupClient(rig.scheduler.engine_key, 1, in_process=False)
     try:
@@ -277,6 +278,8 @@ def test_a_hit_is_copied_to_the_device_at_lookup_and_loads_exactly(tmp_path, via
         assert promised == PROMPT - BLOCK
         held = rig.worker._held._held["ra"].hit
         assert held.prefetched is not None and rig.worker._prefetching > 0
+        groups = [g.stop for g in layer_groups(LAYERS)] if layerwise else []
+        assert [stop for stop, _ in held.prefetched.layer_events] == groups
         rig.worker.prefetch_budget_bytes = rig.worker._prefetching  # b will not fit
         assert rig.scheduler.get_num_new_matched_tokens(_request("rb", b), 0) == promised
         assert rig.worker._held._held["rb"].hit.prefetched is None
