@@ -15,9 +15,12 @@ Llama-8B geometry (32 layers, 8 KV heads of 128, bf16, 16-token pages, shuffled)
 - ``visible after``: from ``wait_for_save`` until the chunks are checksummed and visible;
 - ``layerwise store``: host time of the ``save_kv_layer`` hooks + ``wait_for_save`` in layerwise
   mode, summed over the layers;
-- ``batched load`` / ``layerwise load``: a hit of the whole request, from ``start_load_kv`` until
-  every layer is on the device (layerwise: every layer is enqueued at ``start_load_kv`` and the
-  forward waits per layer on the device);
+- ``batched load`` / ``layerwise load``: a hit of the whole request, from the worker's lookup
+  (what vLLM's scheduler calls first: it leases the hit and starts copying it to the device)
+  until every layer is in vLLM's pages (layerwise: every layer is enqueued at ``start_load_kv``
+  and the forward waits per layer on the device);
+- ``no lease``: the same loads from ``start_load_kv`` alone, without a lookup first (a hit whose
+  lease was lost: the load looks the chunks up and copies them itself);
 - the pinned device-to-host ceiling for the same bytes, measured in the same run.
 
 It first checks that what was saved loads back bit for bit (poisoned pages).
@@ -35,6 +38,7 @@ import torch
 from lmcache.gpu_connector import TransferSpec
 from lmcache.tiers import reset_process_cpu_tiers
 from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
+from lmcache_vllm.lookup import LookupQuery
 from lmcache_vllm.scheduler import engine_key
 from lmcache_vllm.testing import connector_vllm_config
 from lmcache_vllm.transfer_plan import slot_mapping
@@ -128,6 +132,29 @@ class Bench:
         reset_process_cpu_tiers()
 
 
+def timed_load(bench: Bench, tokens: list[int], blocks: list[int], rid: str, lookup: bool) -> float:
+    """Milliseconds from the lookup (or from ``start_load_kv`` when ``lookup`` is false) until
+    every layer of the hit is in the pages (the forward's per-layer waits are device-side)."""
+    load = LoadSpec(vllm_cached=0, lmcache_hit=len(tokens), load_end=len(tokens) - PAGE)
+    meta = LMCacheConnectorMetadata(requests=[ReqMeta(rid, tokens, blocks, load=load)])
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    if lookup:
+        bench.worker._lookup(LookupQuery(rid, tokens))
+    bench.meta = meta
+    bench.worker.bind(meta)
+    if not lookup:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+    bench.worker.start_load_kv()
+    for name in bench.caches:
+        bench.worker.wait_for_layer_load(name)
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t) * 1e3
+    bench.worker.wait_for_save()
+    return ms
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
@@ -181,46 +208,24 @@ def run(n: int, reps: int, step_ms: float, checksum: bool) -> dict[str, float | 
         visible.append((time.perf_counter() - t) * 1e3)
     bench.close()
 
-    # batched load of a hit: start_load_kv holds the host for the whole retrieve
-    load_ms, lw_load_ms = [], []
-    lw = Bench(num_blocks, layerwise=True, checksum=checksum)
+    # loads of a hit, batched and layerwise: from the lookup (vLLM's path: the lookup leases
+    # the hit and starts its copy to the device) or from start_load_kv alone (no lease)
+    load_ms: dict[tuple[bool, bool], list[float]] = {}
     layer_ms = []
-    for i in range(reps):
-        tokens, blocks = lw.request(n, 5000 + i)
-        save_ms, _ = lw.step(ReqMeta(f"l{i}", tokens, blocks, save=SaveSpec(0, n)))
-        layer_ms.append(save_ms)
-        lw.step()
-        lw.worker._saves.wait(60)
-        # layerwise load of the same prompt: host time of start_load_kv, then until the last
-        # layer's copy is on the device (the forward's per-layer waits are device-side)
-        load = LoadSpec(vllm_cached=0, lmcache_hit=n, load_end=n - PAGE)
-        lw.meta = LMCacheConnectorMetadata(requests=[ReqMeta(f"q{i}", tokens, blocks, load=load)])
-        lw.worker.bind(lw.meta)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        lw.worker.start_load_kv()
-        for name in lw.caches:
-            lw.worker.wait_for_layer_load(name)
-        torch.cuda.synchronize()
-        lw_load_ms.append((time.perf_counter() - t) * 1e3)
-        lw.worker.wait_for_save()
-    lw.close()
-    bl = Bench(num_blocks, layerwise=False, checksum=checksum)
-    for i in range(reps):
-        tokens, blocks = bl.request(n, 7000 + i)
-        bl.step(ReqMeta(f"b{i}", tokens, blocks, save=SaveSpec(0, n)))
-        bl.step()
-        bl.worker._saves.wait(60)
-        load = LoadSpec(vllm_cached=0, lmcache_hit=n, load_end=n - PAGE)
-        bl.meta = LMCacheConnectorMetadata(requests=[ReqMeta(f"q{i}", tokens, blocks, load=load)])
-        bl.worker.bind(bl.meta)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        bl.worker.start_load_kv()
-        torch.cuda.synchronize()
-        load_ms.append((time.perf_counter() - t) * 1e3)
-        bl.worker.wait_for_save()
-    bl.close()
+    for layerwise in (False, True):
+        lb = Bench(num_blocks, layerwise=layerwise, checksum=checksum)
+        for i in range(reps):
+            tokens, blocks = lb.request(n, 5000 + i)
+            save_ms, _ = lb.step(ReqMeta(f"l{i}", tokens, blocks, save=SaveSpec(0, n)))
+            if layerwise:
+                layer_ms.append(save_ms)
+            lb.step()
+            lb.worker._saves.wait(60)
+            for lookup in (True, False):
+                load_ms.setdefault((layerwise, lookup), []).append(
+                    timed_load(lb, tokens, blocks, f"q{i}{lookup}", lookup)
+                )
+        lb.close()
     return {
         "n": n,
         "mib": nbytes / 2**20,
@@ -230,8 +235,10 @@ def run(n: int, reps: int, step_ms: float, checksum: bool) -> dict[str, float | 
         "fence_ms": _median(fence),
         "visible_ms": _median(visible),
         "layerwise_ms": _median(layer_ms),
-        "load_ms": _median(load_ms),
-        "lw_load_ms": _median(lw_load_ms),
+        "load_ms": _median(load_ms[False, True]),
+        "lw_load_ms": _median(load_ms[True, True]),
+        "load_nolease_ms": _median(load_ms[False, False]),
+        "lw_load_nolease_ms": _median(load_ms[True, False]),
         "exact": exact,
     }
 
@@ -252,11 +259,11 @@ def main() -> None:
     if args.growth is not None:
         import functools
 
-        from lmcache_vllm import worker_layerwise
+        from lmcache_vllm import worker, worker_layerwise
 
-        worker_layerwise.layer_groups = functools.partial(  # type: ignore[assignment]
-            worker_layerwise.layer_groups, growth=args.growth
-        )
+        groups = functools.partial(worker_layerwise.layer_groups, growth=args.growth)
+        worker_layerwise.layer_groups = groups  # type: ignore[assignment]
+        worker.layer_groups = groups  # type: ignore[assignment]
     if not torch.cuda.is_available():
         raise SystemExit("vllm_save_overlap.py needs a CUDA GPU")
     print(
@@ -267,14 +274,15 @@ def main() -> None:
         f"{'tokens':>7} {'MiB':>7} {'d2h ceil ms':>11} {'sync store ms':>13} "
         f"{'wait_for_save ms':>16} {'next step waits ms':>18} {'visible after ms':>16} "
         f"{'layerwise store ms':>18} {'batched load ms':>15} {'layerwise load ms':>17} "
-        f"{'bit-exact':>9}"
+        f"{'no lease: batched ms':>20} {'layerwise ms':>12} {'bit-exact':>9}"
     )
     for n in args.tokens:
         r = run(n, args.reps, args.step_ms, args.checksum)
         print(
             f"{r['n']:>7} {r['mib']:>7.0f} {r['ceil_ms']:>11.1f} {r['sync_ms']:>13.1f} "
             f"{r['hook_ms']:>16.2f} {r['fence_ms']:>18.2f} {r['visible_ms']:>16.1f} "
-            f"{r['layerwise_ms']:>18.2f} {r['load_ms']:>15.1f} {r['lw_load_ms']:>17.1f} "
+            f"{r['layerwise_ms']:>18.2f} {r['load_ms']:>15.2f} {r['lw_load_ms']:>17.2f} "
+            f"{r['load_nolease_ms']:>20.2f} {r['lw_load_nolease_ms']:>12.2f} "
             f"{'yes' if r['exact'] else 'NO':>9}"
         )
 
