@@ -182,7 +182,7 @@ class SchedulerSide:
 
     def _matched(self, request: Any, rid: str, num_computed_tokens: int) -> int | None:
         self._load_specs.pop(rid, None)
-        if not self.loads_enabled:
+        if not self.loads_enabled or _skips_reading(request):
             return 0
         key = self._key(request)
         tokens = list(request.prompt_token_ids or [])
@@ -398,6 +398,17 @@ class SchedulerSide:
         if self._lookup_client is not None:
             self._lookup_client.close()
             self._lookup_client = None
+
+
+def _skips_reading(request: Any) -> bool:
+    """Whether vLLM must compute every prompt token of ``request`` itself: it asks for prompt
+    logprobs, or sets ``skip_reading_prefix_cache`` (vLLM's own prefix cache skips such requests;
+    vLLM 0.32 also drops a connector's hit for them, 0.26 would take it)."""
+    skip = getattr(request, "skip_reading_prefix_cache", None)
+    if isinstance(skip, bool):
+        return skip
+    params = getattr(request, "sampling_params", None)
+    return params is not None and getattr(params, "prompt_logprobs", None) is not None
 
 
 def _extra_for(extra_keys: dict[int, bytes], num_tokens: int, side: Any) -> dict[int, bytes]:

@@ -190,3 +190,36 @@ def test_aborted_request_leaks_no_leases(model_dir):
         assert tier.pool.used_bytes == 0, "host memory still leased after clearing the tier"
     finally:
         shutdown_engine(llm)
+
+
+def test_prompt_logprobs_are_computed_not_loaded(model_dir):
+    """Prompt logprobs need every prompt token's logits: such a request never loads from
+    lmcache (its logprobs equal the cold run's, every position present) but its KV is stored,
+    and an ordinary request of the same prompt then hits."""
+    from vllm import LLM, SamplingParams
+
+    from .conftest import MAX_TOKENS, engine_kwargs, shutdown_engine
+
+    llm = LLM(**engine_kwargs(model_dir, kv_transfer_config=ktc()))
+    try:
+        plain = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        lp = SamplingParams(
+            temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=1
+        )
+        prompt = [{"prompt_token_ids": PROMPTS["p300"]}]
+        (cold,) = llm.generate(prompt, lp, use_tqdm=False)
+        assert llm.reset_prefix_cache()
+        (again,) = llm.generate(prompt, lp, use_tqdm=False)
+        assert again.num_cached_tokens == 0
+        assert list(again.outputs[0].token_ids) == list(cold.outputs[0].token_ids)
+        assert len(again.prompt_logprobs) == len(PROMPTS["p300"])
+        for want, got in zip(cold.prompt_logprobs[1:], again.prompt_logprobs[1:], strict=True):
+            assert want.keys() == got.keys()
+            for tok, w in want.items():
+                assert got[tok].logprob == pytest.approx(w.logprob, abs=1e-5)
+        assert llm.reset_prefix_cache()
+        (hit,) = llm.generate(prompt, plain, use_tqdm=False)
+        assert hit.num_cached_tokens == 256
+        assert list(hit.outputs[0].token_ids) == list(cold.outputs[0].token_ids)
+    finally:
+        shutdown_engine(llm)

@@ -111,6 +111,20 @@ def test_scheduler_entry_points_never_raise(scheduler_with_worker, name):
     assert side.get_num_new_matched_tokens(ok, 0) == 256
 
 
+def test_prompt_logprobs_requests_never_load_from_lmcache(scheduler_with_worker):
+    """A request that asks for prompt logprobs (or sets ``skip_reading_prefix_cache``) needs
+    every prompt token computed; vLLM 0.26 still asks the connector and would take its hit, so
+    lmcache itself answers 0 for it, while an ordinary request with the same tokens hits."""
+    side = scheduler_with_worker
+    tokens = PROMPTS["p300"]
+    logprobs = Request("lp", tokens, SamplingParams(max_tokens=4, prompt_logprobs=1), None)
+    assert logprobs.skip_reading_prefix_cache
+    assert side.get_num_new_matched_tokens(logprobs, 0) == 0
+    forced = SamplingParams(max_tokens=4, skip_reading_prefix_cache=True)
+    assert side.get_num_new_matched_tokens(Request("skip", tokens, forced, None), 0) == 0
+    assert side.get_num_new_matched_tokens(_request("plain", tokens), 0) == 256
+
+
 def test_malformed_scheduler_output_is_no_work(scheduler_with_worker):
     meta = scheduler_with_worker.build_connector_meta(SimpleNamespace(finished_req_ids=None))
     assert meta.requests == [] and scheduler_with_worker.stats["scheduler_failures"] == 1
