@@ -223,3 +223,36 @@ def test_prompt_logprobs_are_computed_not_loaded(model_dir):
         assert list(hit.outputs[0].token_ids) == list(cold.outputs[0].token_ids)
     finally:
         shutdown_engine(llm)
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["batched", "layerwise"])
+def test_chunked_prefill_stores_across_steps_and_hits(model_dir, baseline, layerwise):
+    """With 64-token prefill steps a prompt's chunks are computed, and saved, over several
+    steps; a fresh engine then hits every stored chunk and its output equals vLLM's alone."""
+    from vllm import LLM, SamplingParams
+
+    from .conftest import MAX_TOKENS, engine_kwargs, shutdown_engine
+
+    names = ("p300", "p300_ext", "c200")
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    runs = []
+    for _ in range(2):  # store, then hit in a fresh engine
+        llm = LLM(
+            **engine_kwargs(
+                model_dir,
+                kv_transfer_config=ktc(use_layerwise=layerwise),
+                max_num_batched_tokens=64,
+                enable_chunked_prefill=True,
+                max_num_seqs=4,
+            )
+        )
+        try:
+            outs = llm.generate(
+                [{"prompt_token_ids": PROMPTS[n]} for n in names], sp, use_tqdm=False
+            )
+            runs.append([(list(o.outputs[0].token_ids), o.num_cached_tokens) for o in outs])
+        finally:
+            shutdown_engine(llm)
+    assert [c for _, c in runs[1]] == [256, 384, 192]  # every full chunk, from lmcache
+    assert [t for t, _ in runs[1]] == [baseline[n] for n in names]
+    assert [t for t, _ in runs[0]] == [baseline[n] for n in names]
