@@ -637,6 +637,13 @@ class FusedTransfer:
             else:
                 dev.copy_(host, non_blocking=True)
 
+    _staging_oom_logged = False
+
+    def _new_staging(self, nbytes: int) -> torch.Tensor:
+        """A device staging buffer of ``nbytes`` on the current stream (raises
+        ``torch.OutOfMemoryError`` when the device has no room)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
     def _copy_stream(self, plan: _Plan) -> Any:
         """The side stream for the host copies when ``plan`` has several pieces, else ``None``."""
         if plan.pieces <= 1:
@@ -769,10 +776,24 @@ class FusedTransfer:
         if plan.total == 0:
             return
         with self._stream_ctx(transfer):
+            nbytes = plan.total * plan.row_bytes
+            try:
+                staging = self._new_staging(nbytes)
+            except torch.OutOfMemoryError:
+                if len(layers) == 1:
+                    raise
+                if not self._staging_oom_logged:
+                    self._staging_oom_logged = True
+                    logger.warning(
+                        "lmcache: no device memory for a %d MiB load staging buffer (it lies "
+                        "outside vLLM's profiled memory; lower gpu_memory_utilization to leave "
+                        "room); loading such hits one layer at a time",
+                        nbytes >> 20,
+                    )
+                for layer in layers:  # a 1/len(layers) staging buffer at a time
+                    self._fused_to(range(layer, layer + 1), chunks, transfer)
+                return
             idx, check = self._fused_indices(plan, transfer)
-            staging = torch.empty(
-                plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
-            )
             copy = self._copy_stream(plan)
             if copy is None:
                 self._copy_runs(plan, staging, to_host=False)

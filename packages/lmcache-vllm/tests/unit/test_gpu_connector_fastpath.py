@@ -175,6 +175,44 @@ def test_layerwise_fused_matches_batched(kind, device):
             assert _eq(x, y)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["lbnhc", "separate"])
+def test_load_without_room_for_its_staging_goes_layer_by_layer(kind, device, caplog):
+    """A load whose all-layer staging buffer does not fit on the device (it lies outside the
+    engine's profiled memory) loads one layer at a time instead: same bytes, no failed load."""
+    md = _md(kind)
+    rng = RANGE_SETS["contiguous"]
+    conn = _conn(kind, md, _caches(kind, md, device, 5), fused=True)
+    slots = _slots(29, 6, device)
+    with _buffers(conn, rng, "adjacent") as bufs:
+        chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, bufs, strict=True)]
+        conn.from_gpu(chunks, TransferSpec(slots))
+        want_caches, got_caches = _caches(kind, md, device, 7), _caches(kind, md, device, 7)
+        want, got = _conn(kind, md, want_caches, True), _conn(kind, md, got_caches, True)
+        one_layer = 29 * md.kv_width * 2  # bytes of one layer of every token (bf16)
+        sizes = []
+
+        def tight(nbytes):  # the device has room for one layer's staging only
+            sizes.append(nbytes)
+            if nbytes > one_layer:
+                raise torch.OutOfMemoryError("injected: no room")
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+        got._new_staging = tight
+        lslots = _slots(29, 8, device)
+        want.to_gpu(chunks, TransferSpec(lslots, skip_tokens=5))
+        with caplog.at_level("WARNING"):
+            got.to_gpu(chunks, TransferSpec(lslots, skip_tokens=5))
+        want.synchronize()
+        got.synchronize()
+        assert sizes[0] > one_layer and len(sizes) == 1 + LAYERS  # refused, then per layer
+        assert "one layer at a time" in caplog.text
+        for x, y in zip(want_caches, got_caches, strict=True):
+            assert _eq(x, y)
+        fresh = _caches(kind, md, device, 7)
+        assert not all(_eq(x, y) for x, y in zip(fresh, got_caches, strict=True))
+
+
 def test_aliased_layers_use_the_per_layer_path():
     md = _md("lbnhc")
     caches = _caches("lbnhc", md, "cpu", 9)
