@@ -545,11 +545,6 @@ class FusedTransfer:
             view = view[:, :, op.t0 :]
         return list(tok.unbind(0)), view
 
-    def _op_layers(self, layers: range, op: _Op) -> torch.Tensor:
-        """Layer index ``[1, layers, 1]`` of one op on the one-view path."""
-        a = layers.start + op.l0
-        return self._layer_index(a, a + op.l1 - op.l0)
-
     def _layer_index(self, a: int, b: int) -> torch.Tensor:
         """Layer index ``[1, b - a, 1]`` of layers ``a .. b - 1`` on the one-view path."""
         if b - a == self.num_layers:
@@ -581,14 +576,14 @@ class FusedTransfer:
             if piece >= 0 and op.piece != piece:
                 continue
             tok, out = self._op_views(plan, staging, layers, idx, op)
+            a, b = layers.start + op.l0, layers.start + op.l1  # the layers this op holds
             if self._fused is not None:
-                self._gather_into(self._fused, [self._op_layers(layers, op), *tok], out)
+                self._gather_into(self._fused, [self._layer_index(a, b), *tok], out)
                 continue
             assert self._fused_layers is not None
             per_layer = [t.squeeze(1) for t in tok]  # [g, n - t0]
-            for j in range(op.l1 - op.l0):
-                src = self._fused_layers[layers.start + op.l0 + j]
-                self._gather_into(src, per_layer, out[:, j])
+            for j in range(b - a):
+                self._gather_into(self._fused_layers[a + j], per_layer, out[:, j])
 
     def _scatter(
         self,
