@@ -59,7 +59,7 @@ def _shutdown(llm: Any) -> None:
     shutdown_llm(llm)
 
 
-def _ttft(llm: Any, prompt: list[int]) -> tuple[float, float]:
+def _ttft(llm: Any, prompt: list[int], prof: _Profile | None = None) -> tuple[float, float]:
     """``(vLLM's TTFT, generate() wall time)`` of one ``max_tokens=1`` request.
 
     vLLM's TTFT is ``RequestOutput.metrics.first_token_latency``: arrival until the engine
@@ -72,7 +72,10 @@ def _ttft(llm: Any, prompt: list[int]) -> tuple[float, float]:
     start = time.perf_counter()
     (out,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
     wall = time.perf_counter() - start
-    return float(out.metrics.first_token_latency), wall
+    ttft = float(out.metrics.first_token_latency)
+    if prof is not None:
+        prof.request(start, ttft)
+    return ttft, wall
 
 
 def _throughput(llm: Any, prompts: list[list[int]]) -> float:
@@ -86,18 +89,33 @@ def _throughput(llm: Any, prompts: list[list[int]]) -> float:
 
 class _Profile:
     """``--profile``: time spent in each lmcache hook per phase, the main thread's cProfile of
-    each phase, and CPU seconds per thread (who competes with vLLM's thread for the GIL)."""
+    each phase, CPU seconds per thread (who competes with vLLM's thread for the GIL), and per
+    request the save jobs (copy / commit threads) that ran inside its TTFT window."""
 
     def __init__(self, out: Path | None) -> None:
         self.out = out
         self.phase = ""
         self.hooks: dict[tuple[str, str], list[float]] = {}
         self.rows: list[str] = []
+        self.jobs: list[tuple[str, float, float, float]] = []  # kind, start, end, CPU s
+        self.requests: list[tuple[str, float, float]] = []  # phase, start, TTFT
         if out is None:
             return
         out.mkdir(parents=True, exist_ok=True)
+        from lmcache_vllm.save_queue import SaveQueue
         from lmcache_vllm.scheduler import SchedulerSide
         from lmcache_vllm.worker import WorkerSide
+
+        copy, commit = SaveQueue._run_copy, SaveQueue._run_commit
+
+        def _run_copy(queue: Any, req_id: str, job: Any) -> None:
+            self._job("copy", lambda: copy(queue, req_id, job))
+
+        def _run_commit(req_id: str, job: Any) -> None:
+            self._job("commit", lambda: commit(req_id, job))
+
+        SaveQueue._run_copy = _run_copy  # type: ignore[method-assign]
+        SaveQueue._run_commit = staticmethod(_run_commit)  # type: ignore[method-assign]
 
         for cls in (SchedulerSide, WorkerSide):
             for name, fn in list(vars(cls).items()):
@@ -124,6 +142,30 @@ class _Profile:
                 cell[1] += 1
 
         return timed
+
+    def _job(self, kind: str, fn: Any) -> None:
+        t, cpu = time.perf_counter(), time.thread_time()
+        try:
+            fn()
+        finally:
+            self.jobs.append((kind, t, time.perf_counter(), time.thread_time() - cpu))
+
+    def request(self, start: float, ttft: float) -> None:
+        if self.out is not None:
+            self.requests.append((self.phase, start, ttft))
+
+    def _overlaps(self, label: str) -> None:
+        """Per request of phase ``label``: save jobs whose run overlapped its TTFT window."""
+        for _, start, ttft in (r for r in self.requests if r[0] == label):
+            end = start + ttft
+            parts = []
+            for kind, a, b, cpu in self.jobs:
+                inside = min(b, end) - max(a, start)
+                if inside > 0:
+                    parts.append(f"{kind} {1e3 * inside:.1f} ms wall/{1e3 * cpu:.1f} ms CPU")
+            self.rows.append(
+                f"  TTFT {1e3 * ttft:6.1f} ms; inside it: " + ("; ".join(parts) or "-")
+            )
 
     def run(self, label: str, fn: Any) -> Any:
         if self.out is None:
@@ -155,6 +197,7 @@ class _Profile:
             for (ph, name), (sec, calls) in sorted(self.hooks.items()):
                 if ph == label:
                     self.rows.append(f"  {name:<48} {1e3 * sec:9.1f} ms  {calls:6d} calls")
+            self._overlaps(label)
             path = self.out / f"{label}.txt"
             with path.open("w") as f:
                 stats = pstats.Stats(prof, stream=f)
@@ -189,10 +232,17 @@ def _measure(
     tag: str,
 ) -> dict[str, float]:
     _ttft(llm, prompts[-1][:512])  # warm-up (distinct tokens)
-    cold = prof.run(f"{tag}-cold", lambda: [_ttft(llm, p) for p in prompts[:-1]])
+    cold = prof.run(f"{tag}-cold", lambda: [_ttft(llm, p, prof) for p in prompts[:-1]])
     llm.reset_prefix_cache()
-    warm = prof.run(f"{tag}-warm", lambda: [_ttft(llm, p) for p in prompts[:-1]])
+    warm = prof.run(f"{tag}-warm", lambda: [_ttft(llm, p, prof) for p in prompts[:-1]])
     tput = prof.run(f"{tag}-tput", lambda: _throughput(llm, batch))
+    print(
+        f"{tag}: TTFT per request (ms), cold "
+        + " ".join(f"{1e3 * t:.1f}" for t, _ in cold)
+        + "; warm "
+        + " ".join(f"{1e3 * t:.1f}" for t, _ in warm),
+        flush=True,
+    )
     return {
         "cold": statistics.median(t for t, _ in cold),
         "warm": statistics.median(t for t, _ in warm),

@@ -7,7 +7,8 @@ between layers (how vLLM allocates them), all layers are gathered/scattered thro
 chunks. Every transfer moves all chunks of a request at once, through one *chunk-major* staging
 buffer (on the device when ``config.gpu_staging_buffer``): chunk ``c``'s ``[num_layers, tokens,
 kv_width]`` block is contiguous there, so each chunk (or each run of chunks whose host buffers lie
-back to back in one pool slab) moves in one copy-engine DMA. Slot indices are built once per call,
+back to back in one pool slab) moves in one copy-engine DMA; the same part of several chunks at a
+constant step (a layer group of each chunk) moves in one strided ``cudaMemcpy2DAsync``. Slot indices are built once per call,
 on the host when the slot mapping is on the host (the adapter's case: no device sync at all; they
 go to the device through a persistent pinned buffer), otherwise on the device.
 
@@ -110,6 +111,12 @@ class _Run:
     ``host`` is the first chunk's host tensor; ``count`` chunks lie back to back after it in one
     storage when ``count > 1`` (see :meth:`host_view`). A non-contiguous host tensor is copied
     through a staging view of its shape.
+
+    ``rows`` > 1 makes it a strided (2D) run: ``rows`` copies of ``nbytes`` each, row ``i`` at
+    staging byte ``lo + i * dev_pitch`` and host byte ``host.data_ptr() + i * host_pitch``, all in
+    one host storage (e.g. layer group ``g`` of chunks that lie at a constant step in a pool
+    slab). On CUDA it moves in one ``cudaMemcpy2DAsync``; ``row_hosts`` keeps each row's host
+    tensor for the row-by-row fallback.
     """
 
     lo: int
@@ -120,6 +127,10 @@ class _Run:
     storage_ptr: int
     piece: int
     count: int = 1
+    rows: int = 1
+    host_pitch: int = 0
+    dev_pitch: int = 0
+    row_hosts: list[torch.Tensor] = field(default_factory=list)
 
     def host_view(self) -> torch.Tensor:
         if not self.contiguous:
@@ -128,6 +139,104 @@ class _Run:
         if self.count == 1:
             return flat
         return flat.as_strided((self.nbytes,), (1,), flat.storage_offset())
+
+    def extend_2d(self, lo: int, nbytes: int, host: torch.Tensor, sptr: int) -> bool:
+        """Append ``host`` as the next row of this run when it continues the run's steps on
+        both sides (the second row sets them); ``False``: not a continuation."""
+        if (
+            not self.contiguous
+            or self.count != 1
+            or nbytes != self.nbytes
+            or sptr != self.storage_ptr
+            or not host.is_contiguous()
+        ):
+            return False
+        first = self.host.data_ptr()
+        ptr = host.data_ptr()
+        if self.rows == 1:
+            hp, dp = ptr - first, lo - self.lo
+            if hp < nbytes or dp < nbytes:  # rows must not overlap (and go forwards)
+                return False
+            self.host_pitch, self.dev_pitch = hp, dp
+            self.row_hosts = [self.host]
+        elif (
+            ptr != first + self.rows * self.host_pitch or lo != self.lo + self.rows * self.dev_pitch
+        ):
+            return False
+        self.rows += 1
+        self.row_hosts.append(host)
+        self.end_ptr = ptr + nbytes
+        return True
+
+
+_CUDART: Any = None
+_CUDART_LOADED = False
+
+
+def _cudart() -> Any:
+    """The CUDA runtime library torch loaded (ctypes), for ``cudaMemcpy2DAsync``; ``None`` when
+    it cannot be found (strided runs then copy row by row)."""
+    global _CUDART, _CUDART_LOADED
+    if _CUDART_LOADED:
+        return _CUDART
+    _CUDART_LOADED = True
+    import ctypes
+    import os
+
+    candidates = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                if os.path.basename(path).startswith("libcudart.so") and path not in candidates:
+                    candidates.append(path)
+    except OSError:
+        pass
+    candidates += ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+    for name in candidates:
+        try:
+            lib = ctypes.CDLL(name)
+            fn = lib.cudaMemcpy2DAsync
+        except (OSError, AttributeError):
+            continue
+        ptr, size = ctypes.c_void_p, ctypes.c_size_t
+        fn.argtypes = [ptr, size, ptr, size, size, size, ctypes.c_int, ptr]  # .., kind, stream
+        fn.restype = ctypes.c_int
+        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        _CUDART = lib
+        break
+    else:
+        logger.info("lmcache: libcudart not found; strided host copies go row by row")
+    return _CUDART
+
+
+def _memcpy_2d(run: _Run, dev: torch.Tensor, to_host: bool, stream: Any) -> bool:
+    """Move a strided ``run`` with one ``cudaMemcpy2DAsync`` on ``stream``; ``False`` when the
+    runtime is not available (the caller copies row by row).
+
+    Raises:
+        RuntimeError: the runtime refused the copy (its error string).
+    """
+    lib = _cudart()
+    if lib is None:
+        return False
+    host = run.host.data_ptr()
+    d = dev.data_ptr()
+    if to_host:
+        args = (host, run.host_pitch, d, run.dev_pitch, 2)  # cudaMemcpyDeviceToHost
+    else:
+        args = (d, run.dev_pitch, host, run.host_pitch, 1)  # cudaMemcpyHostToDevice
+    dst, dpitch, src, spitch, kind = args
+    err = lib.cudaMemcpy2DAsync(
+        dst, dpitch, src, spitch, run.nbytes, run.rows, kind, stream.cuda_stream
+    )
+    if err != 0:
+        raise RuntimeError(
+            f"lmcache: cudaMemcpy2DAsync of {run.rows} rows of {run.nbytes} bytes failed: "
+            f"{lib.cudaGetErrorString(err).decode(errors='replace')}"
+        )
+    return True
 
 
 @dataclass
@@ -401,6 +510,7 @@ class FusedTransfer:
             contiguous
             and last is not None
             and last.contiguous
+            and last.rows == 1
             and last.piece == piece
             and last.end_ptr == ptr
             and last.storage_ptr == sptr
@@ -409,6 +519,13 @@ class FusedTransfer:
             last.nbytes += nbytes
             last.end_ptr += nbytes
             last.count += 1
+            return
+        if (
+            contiguous
+            and last is not None
+            and last.piece == piece
+            and last.extend_2d(lo, nbytes, host, sptr)
+        ):
             return
         plan.runs.append(_Run(lo, nbytes, host, contiguous, ptr + nbytes, sptr, piece))
 
@@ -623,6 +740,9 @@ class FusedTransfer:
         for r in plan.runs:
             if piece >= 0 and r.piece != piece:
                 continue
+            if r.rows > 1:
+                self._copy_2d(r, staging, to_host)
+                continue
             dev = staging[r.lo : r.lo + r.nbytes]
             host = r.host_view()
             if not r.contiguous:
@@ -631,6 +751,21 @@ class FusedTransfer:
                 host.copy_(dev, non_blocking=True)
             else:
                 dev.copy_(host, non_blocking=True)
+
+    def _copy_2d(self, r: _Run, staging: torch.Tensor, to_host: bool) -> None:
+        """A strided run: one 2D DMA on CUDA, else (or without the runtime) row by row."""
+        if self.device.type == "cuda" and staging.is_cuda:
+            stream = torch.cuda.current_stream(self.device)
+            if _memcpy_2d(r, staging[r.lo :], to_host, stream):
+                return
+        for i, host in enumerate(r.row_hosts):
+            lo = r.lo + i * r.dev_pitch
+            dev = staging[lo : lo + r.nbytes]
+            flat = host.reshape(-1).view(torch.uint8)
+            if to_host:
+                flat.copy_(dev, non_blocking=True)
+            else:
+                dev.copy_(flat, non_blocking=True)
 
     _staging_oom_logged = False
 

@@ -225,8 +225,21 @@ def test_prefetched_chunks_load_like_host_chunks(alloc, monkeypatch):
         torch.cuda.synchronize()
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x.view(torch.int16), y.view(torch.int16))
-    # copied in layer groups: each layer range scatters after its own group's copy
+    # copied in layer groups: each layer range scatters after its own group's copy; a group of
+    # the three equal chunks (back to back in the pool) is one strided DMA, the short last
+    # chunk its own copy
+    from lmcache_vllm import fused_transfer
+
+    assert fused_transfer._cudart() is not None  # else strided runs would go row by row
+    strided = []
+    real_2d = fused_transfer._memcpy_2d
+    monkeypatch.setattr(
+        fused_transfer,
+        "_memcpy_2d",
+        lambda run, *a: (strided.append(run.rows), real_2d(run, *a))[1],
+    )
     grouped = src.prefetch(chunks, stream, [range(0, 1), range(1, L)])
+    assert strided == [3, 3]
     assert isinstance(grouped, Prefetched)
     assert [stop for stop, _ in grouped.layer_events] == [1, L]
     assert grouped.event_for(1) is grouped.layer_events[0][1]

@@ -326,3 +326,36 @@ def test_pieces_match_per_layer_path(kind, piece):
             c2._scatter(plan, staging, range(LAYERS), idx, p)
         for x, y in zip(dst1, dst2, strict=True):
             assert _eq(x, y)
+
+
+def test_chunks_at_a_constant_step_merge_into_one_strided_run():
+    """Equal chunks with equal gaps between them move in one strided (2D) copy; a chunk of
+    another size or step starts a new run. Moving the runs row by row (the fallback without
+    the CUDA runtime) puts every byte where one copy per chunk puts it."""
+    md = _md("lbnhc")
+    conn = _conn("lbnhc", md, _caches("lbnhc", md, "cpu", 14), True)
+    rng = [(0, 8), (8, 16), (16, 24), (24, 29)]
+    cb = conn.chunk_nbytes(CHUNK)
+    with _buffers(conn, rng, "scattered") as bufs:
+        for i, t in enumerate(bufs):
+            t.copy_(torch.randn(t.shape).to(t.dtype) + i)
+        chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, bufs, strict=True)]
+        plan = conn._plan(range(LAYERS), chunks, 0, 0)
+        steps = {bufs[i + 1].data_ptr() - bufs[i].data_ptr() for i in range(2)}
+        assert len(steps) == 1 and steps.pop() > cb  # the pool left equal gaps
+        assert [(r.rows, r.nbytes) for r in plan.runs] == [(3, cb), (1, conn.chunk_nbytes(5))]
+        assert plan.runs[0].dev_pitch == cb
+        staging = torch.zeros(plan.total * plan.row_bytes, dtype=torch.uint8)
+        conn._copy_runs(plan, staging, to_host=False)
+        pos = 0
+        for (s, e), t in zip(rng, bufs, strict=True):
+            nbytes = (e - s) * plan.row_bytes
+            assert torch.equal(staging[pos : pos + nbytes], t.reshape(-1).view(torch.uint8))
+            pos += nbytes
+        # the layer groups of equal adjacent chunks: one strided run per group
+        grouped = type(plan)(plan.row_bytes, plan.layer_bytes, [])
+        for piece, (a, b) in enumerate([(0, 1), (1, LAYERS)]):
+            for i, c in enumerate(chunks[:3]):
+                lo = i * CHUNK * plan.row_bytes + a * CHUNK * plan.layer_bytes
+                conn._add_run(grouped, lo, (b - a) * CHUNK * plan.layer_bytes, c.buffer[a:b], piece)
+        assert [(r.rows, r.piece) for r in grouped.runs] == [(3, 0), (3, 1)]
