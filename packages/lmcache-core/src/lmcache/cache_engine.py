@@ -305,22 +305,33 @@ class LMCacheEngine:
             for n in cascade.keys_to_store(self._tiers, [plan.keys[i] for i in candidates])
         ]
         self._touch(plan.keys)  # this chain's present chunks are the last to be evicted
-        for i in todo:
-            start, end = plan.ranges[i]
+        n = 0
+        while n < len(todo):  # runs of chunks of one size, each leased in one pass
+            tokens = plan.ranges[todo[n]][1] - plan.ranges[todo[n]][0]
+            run = 1
+            while n + run < len(todo) and (
+                plan.ranges[todo[n + run]][1] - plan.ranges[todo[n + run]][0] == tokens
+            ):
+                run += 1
             try:
-                lease = self.tier.allocate(
-                    self._chunk_shape(end - start), self.metadata.kv_dtype, metrics=self.metrics
+                leases = self.tier.allocate_many(
+                    self._chunk_shape(tokens), self.metadata.kv_dtype, run, metrics=self.metrics
                 )
             except Exception as exc:
                 self._tier_error("allocate", exc)
-                lease = None
-            if lease is None:
+                leases = []
+            for i, lease in zip(todo[n : n + run], leases, strict=False):
+                start, end = plan.ranges[i]
+                pending.append(
+                    Pending(plan.keys[i], ChunkTransfer(start, end, lease.tensor), lease)
+                )
+            if len(leases) < run:
                 self.metrics.failed_allocations.inc()
                 logger.debug(
                     "Out of host memory: storing %d of %d chunks.", len(pending), len(todo)
                 )
                 break
-            pending.append(Pending(plan.keys[i], ChunkTransfer(start, end, lease.tensor), lease))
+            n += run
         return pending
 
     def _commit_store(

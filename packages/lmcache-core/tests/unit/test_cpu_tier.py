@@ -272,3 +272,22 @@ def test_parallel_checksum_equals_tensor_checksum() -> None:
     before = parallel_checksum(t)
     t[CHECKSUM_SLICE_BYTES + 7] ^= 1
     assert parallel_checksum(t) != before
+
+
+def test_allocate_many_evicts_lru_first_and_stops_at_leased_chunks() -> None:
+    """``allocate_many`` evicts least recently used entries until the run fits, like that many
+    ``allocate`` calls; with only leased entries left it returns what fits."""
+    tier, metrics = _tier(4)
+    for i, key in enumerate((b"a", b"b", b"c")):
+        _put(tier, key, float(i))
+    _get(tier, b"a").release()  # b, then c are the LRU
+    leases = tier.allocate_many(SHAPE, torch.float32, 2, metrics=metrics)
+    assert len(leases) == 2 and metrics.value("evicted_chunks") == 1
+    assert not tier.contains(b"b") and tier.contains(b"a") and tier.contains(b"c")
+    held = _get(tier, b"a")
+    more = tier.allocate_many(SHAPE, torch.float32, 3)  # c goes; a is leased: one fits
+    assert len(more) == 1 and not tier.contains(b"c") and tier.contains(b"a")
+    assert torch.equal(held.tensor, torch.full(SHAPE, 0.0))  # a's bytes intact
+    assert tier.allocate_many((5, 4, 32), torch.float32, 1) == []  # larger than the budget
+    for lease in [held, *leases, *more]:
+        lease.release()

@@ -233,3 +233,40 @@ def test_prepinned_slabs_are_page_locked() -> None:
     assert all(slab.tensor.is_pinned() for slab in pool._slabs)
     lease = pool.allocate((1 << 20,), torch.uint8)
     assert lease is not None and lease.tensor.is_pinned()
+
+
+def test_allocate_many_matches_allocate_and_packs_back_to_back() -> None:
+    """``allocate_many`` gives leases like ``allocate`` (shape, dtype, aligned accounting,
+    independent bytes, release), back to back where a free range holds several, across slabs
+    when one fills, and stops at the budget with the leases it could make."""
+    pool = HostMemoryPool(10 * ALIGNMENT, pin=False, slab_bytes=4 * ALIGNMENT)
+    hole = _lease(pool, (1,), torch.uint8)  # offset 0 of the first slab
+    many = pool.allocate_many((3, 50), torch.bfloat16, 3)  # 300 bytes: two units each
+    assert [tuple(x.tensor.shape) for x in many] == [(3, 50)] * 3
+    assert all(x.tensor.dtype == torch.bfloat16 and x.nbytes == 300 for x in many)
+    # the first slab has 3 units left after the hole: one pair fits there, the rest in slab 2
+    assert many[0].tensor.data_ptr() - hole.tensor.data_ptr() == ALIGNMENT
+    assert many[2].tensor.data_ptr() - many[1].tensor.data_ptr() == 2 * ALIGNMENT
+    assert pool.used_bytes == 7 * ALIGNMENT
+    for i, x in enumerate(many):
+        x.tensor.fill_(i)
+    for i, x in enumerate(many):
+        assert torch.equal(x.tensor, torch.full((3, 50), float(i), dtype=torch.bfloat16))
+    more = pool.allocate_many((3, 50), torch.bfloat16, 5)  # 3 units left: one more fits
+    assert len(more) == 1 and pool.used_bytes == 9 * ALIGNMENT
+    for x in [hole, *many, *more]:
+        x.release()
+    assert pool.used_bytes == 0
+    assert pool.allocate_many((0,), torch.float32, 2)[0].tensor.shape == (0,)
+    with pytest.raises(ValueError, match="negative"):
+        pool.allocate_many((2,), torch.uint8, -1)
+
+
+def test_allocate_many_under_inference_mode_gives_writable_chunks() -> None:
+    pool = HostMemoryPool(1 << 16, pin=False)
+    with torch.inference_mode():
+        leases = pool.allocate_many((4, 4), torch.float32, 3)
+    for lease in leases:
+        assert not lease.tensor.is_inference()
+        lease.tensor.add_(1)
+        lease.release()

@@ -67,6 +67,19 @@ class _Slab:
     def empty(self) -> bool:
         return self.free == [(0, self.size)]
 
+    def take_run(self, size: int, count: int) -> tuple[int, int] | None:
+        """First fit for up to ``count`` back-to-back pieces of ``size`` bytes: ``(offset,
+        pieces)`` carved from the first free range that holds at least one, or ``None``."""
+        for i, (offset, length) in enumerate(self.free):
+            if length >= size:
+                k = min(count, length // size)
+                if length == k * size:
+                    del self.free[i]
+                else:
+                    self.free[i] = (offset + k * size, length - k * size)
+                return offset, k
+        return None
+
     def take(self, size: int) -> int | None:
         """First fit: carve ``size`` bytes out of a free range; return the offset or ``None``."""
         for i, (offset, length) in enumerate(self.free):
@@ -319,7 +332,7 @@ class HostMemoryPool:
         shape = tuple(int(d) for d in shape)
         if any(d < 0 for d in shape):
             raise ValueError(f"HostMemoryPool.allocate: negative dimension in shape {shape}")
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         size = _align(nbytes)
         with self._lock:
             if size > self._budget - self._used:
@@ -334,6 +347,55 @@ class HostMemoryPool:
             with torch.inference_mode(False):
                 view = slab.tensor[offset : offset + nbytes].view(dtype).view(shape)
             return MemoryLease(self, _Allocation(slab, offset, size, view))
+
+    def allocate_many(
+        self, shape: Sequence[int], dtype: torch.dtype, count: int
+    ) -> list[MemoryLease]:
+        """Up to ``count`` leases of ``shape`` and ``dtype`` (like :meth:`allocate` each), in one
+        pass: one lock, and pieces carved back to back where a free range holds several (so
+        their copies can merge).
+
+        Returns:
+            The leases, fewer than ``count`` (possibly none) when the budget cannot hold more
+            right now. Never blocks waiting for memory.
+
+        Raises:
+            ValueError: a negative dimension or count.
+        """
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape) or count < 0:
+            raise ValueError(
+                f"HostMemoryPool.allocate_many: negative dimension in shape {shape} or count "
+                f"{count}"
+            )
+        nbytes = math.prod(shape) * dtype.itemsize
+        size = _align(nbytes)
+        out: list[MemoryLease] = []
+        # Engines call us under torch.inference_mode(); chunk views made there could not be
+        # written outside it, so they are made as normal tensors.
+        with torch.inference_mode(False), self._lock:
+            while len(out) < count and size <= self._budget - self._used:
+                want = min(count - len(out), (self._budget - self._used) // size)
+                run = None
+                if size <= self._slab_bytes:
+                    for slab in self._slabs:
+                        got = slab.take_run(size, want)
+                        if got is not None:
+                            run = (slab, got[0], got[1])
+                            break
+                if run is None:
+                    placed = self._place(size)  # a new slab (or a dedicated one), or nothing
+                    if placed is None:
+                        break
+                    run = (placed[0], placed[1], 1)
+                slab, offset, k = run
+                self._used += k * size
+                region = slab.tensor[offset : offset + k * size].view(k, size)[:, :nbytes]
+                views = region.view(dtype).view(k, *shape).unbind(0) if nbytes else None
+                for j in range(k):
+                    view = views[j] if views is not None else region[j].view(dtype).view(shape)
+                    out.append(MemoryLease(self, _Allocation(slab, offset + j * size, size, view)))
+        return out
 
     def _place(self, size: int) -> tuple[_Slab, int] | None:
         """Find or make room for ``size`` bytes; caller holds the lock."""

@@ -278,7 +278,7 @@ class CPUTier:
             evicted and it still does not fit.
         """
         counts = self.metrics if metrics is None else metrics
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self.pool.budget_bytes:
             return None  # evicting cannot help
         with self._lock:
@@ -289,6 +289,36 @@ class CPUTier:
                 victim = next((k for k, e in self._entries.items() if e.lease.ref_count == 1), None)
                 if victim is None:
                     return None
+                self._entries.pop(victim).lease.release()
+                counts.evicted_chunks.inc()
+
+    def allocate_many(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        count: int,
+        *,
+        metrics: LMCacheMetrics | None = None,
+    ) -> list[MemoryLease]:
+        """Up to ``count`` chunk buffers of one shape (:meth:`allocate` each, in one pass:
+        :meth:`HostMemoryPool.allocate_many`), evicting least recently used entries as needed.
+
+        Returns:
+            The leases; fewer than ``count`` when nothing more can be evicted.
+        """
+        counts = self.metrics if metrics is None else metrics
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > self.pool.budget_bytes:
+            return []  # evicting cannot help
+        out: list[MemoryLease] = []
+        with self._lock:
+            while True:
+                out += self.pool.allocate_many(shape, dtype, count - len(out))
+                if len(out) >= count:
+                    return out
+                victim = next((k for k, e in self._entries.items() if e.lease.ref_count == 1), None)
+                if victim is None:
+                    return out
                 self._entries.pop(victim).lease.release()
                 counts.evicted_chunks.inc()
 
