@@ -43,7 +43,7 @@ def _engine(model: Path, kv: dict[str, Any] | None, max_len: int) -> Any:
         model=str(model),
         enforce_eager=True,
         block_size=16,
-        gpu_memory_utilization=0.3,  # two engines in turn: the first may not free at once
+        gpu_memory_utilization=0.1,  # engines in turn: an engine shut down may not free at once
         dtype="bfloat16",
         max_model_len=max_len,
         max_num_batched_tokens=max_len,
@@ -252,6 +252,33 @@ def _measure(
     }
 
 
+def _cold_variant(
+    variant: str, model: Path, kv: dict[str, Any], max_len: int, prompts: list[list[int]]
+) -> float:
+    """Median cold TTFT of ``prompts[:-1]`` on a fresh engine of ``variant``."""
+    from lmcache.tiers import reset_process_cpu_tiers
+    from lmcache_vllm.vllm_v1_adapter import live_engines
+
+    if variant not in ("base", "lmcache", "no-save"):
+        raise SystemExit(f"--cold-variants: unknown variant {variant!r}")
+    config: dict[str, Any] | None = None
+    if variant != "base":
+        config = dict(kv)
+        if variant == "no-save":
+            config["kv_role"] = "kv_consumer"
+    reset_process_cpu_tiers()
+    llm = _engine(model, config, max_len)
+    try:
+        for engine in live_engines():
+            engine.pool.wait_prepinned(timeout=300)
+        _ttft(llm, prompts[-1][:512])
+        cold = [_ttft(llm, p)[0] for p in prompts[:-1]]
+    finally:
+        _shutdown(llm)
+    print(f"{variant}: cold TTFT per request (ms) " + " ".join(f"{1e3 * t:.1f}" for t in cold))
+    return statistics.median(cold)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384)
@@ -277,6 +304,15 @@ def main() -> None:
         help="time lmcache's hooks per phase, write the main thread's cProfile of each phase "
         "to DIR and print CPU seconds per thread",
     )
+    parser.add_argument(
+        "--cold-variants",
+        default="",
+        metavar="LIST",
+        help="after the main table, cold TTFT only (--cold-reps requests each) of these engines, "
+        "one after the other, comma-separated: base (vLLM alone again: the drift of the "
+        "machine), lmcache (the default again), no-save (kv_role kv_consumer: lookups only)",
+    )
+    parser.add_argument("--cold-reps", type=int, default=15)
     args = parser.parse_args()
     if args.sync_saves:
         from lmcache_vllm.save_queue import SaveQueue
@@ -357,6 +393,15 @@ def main() -> None:
         _shutdown(lm_llm)
 
     prof.report()
+    for variant in filter(None, args.cold_variants.split(",")):
+        seeds = range(5000 + 100 * len(variant), 5000 + 100 * len(variant) + args.cold_reps + 1)
+        cold_prompts = [make_prompt(args.tokens, seed=s, vocab_size=32000) for s in seeds]
+        med = _cold_variant(variant, model, kv, max_len, cold_prompts)
+        print(
+            f"variant {variant:<12} cold TTFT median of {args.cold_reps}: {1e3 * med:.1f} ms "
+            f"({100 * (med / base['cold'] - 1):+.1f} % against the first vLLM alone)",
+            flush=True,
+        )
     cold_pct = 100 * (lm["cold"] / base["cold"] - 1)
     tput_pct = 100 * lm["tput"] / base["tput"]
     speedup = base["warm"] / lm["warm"]

@@ -248,9 +248,14 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, LayerRangeConnector):
         return torch.empty((layers, num_tokens, self.kv_width), dtype=self.dtype, device=where)
 
     def _sync(self, transfer: TransferSpec) -> None:
+        """Wait for the transfer's stream, asleep (a blocking-sync event): the caller may be
+        a save thread waiting through a whole forward, which must not spin a core that the
+        engine's own thread could be sharing."""
         if self.device.type == "cuda":
             stream = transfer.stream or torch.cuda.current_stream(self.device)
-            stream.synchronize()
+            done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            done.record(stream)
+            done.synchronize()
 
     # -- transfers: LayerRangeConnector runs from_gpu, to_gpu and the layerwise methods --------
     # (to_gpu_layers: one _to over the range, one strided op and merged DMAs on the fused path)

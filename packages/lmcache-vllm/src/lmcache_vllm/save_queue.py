@@ -9,9 +9,10 @@ jobs:
    stream ordered after the step's compute (a gather of the pages into device staging, then
    DMAs to the host) and releases the job's :class:`ReadFence` with a CUDA event recorded right
    after the gather: from that event on the pages may change.
-2. **commit** (committer thread): waits for the copy to reach the host (on CUDA), checksums the
-   buffers and publishes the chunks, so they become visible to lookups only when complete. It
-   reads host memory only.
+2. **commit** (committer thread): waits for the copy to reach the host (on CUDA, asleep on a
+   blocking-sync event rather than polling the driver for the length of a forward), checksums
+   the buffers and publishes the chunks, so they become visible to lookups only when complete.
+   It reads host memory only.
 
 vLLM may reuse a request's blocks once it finished or was preempted, but only a *later* step
 writes them, and every step starts with :meth:`SaveQueue.wait_read` (the worker's

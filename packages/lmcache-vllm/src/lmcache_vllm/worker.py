@@ -494,7 +494,9 @@ class WorkerSide:
                             staged = engine.copy_out(
                                 tokens, mask, transfer, salt=req.salt, extra_keys=extra
                             )
-                            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                            # blocking: the commit thread sleeps on it (a spinning wait
+                            # would poll the driver, and burn a core, for a whole forward)
+                            copied = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
                             copied.record(stream)
                         fence.release(copied)  # no-op when _read ran
             except BaseException:
