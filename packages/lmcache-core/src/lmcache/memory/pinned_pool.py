@@ -19,6 +19,10 @@ a chunk that is being copied can never be reused underneath the copy::
         with lease:
             lease.tensor.copy_(kv)  # [num_layers, 256, kv_width]
 
+``pool.allocate_many(shape, dtype, count)`` leases up to ``count`` buffers of one shape in one
+pass (one lock, pieces carved back to back where a free range holds several), as a store does for
+a request's chunks.
+
 The pool is thread-safe: one lock guards the free lists and the lease counts.
 """
 
