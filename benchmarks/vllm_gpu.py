@@ -15,7 +15,8 @@ the given config, its host pool pinned before timing):
   ``--reps``; ``generate()``'s wall time (``max_tokens=1``) is printed beside it;
 - ``warm``: the same prompts again after ``reset_prefix_cache()`` (vLLM's own cache emptied:
   without lmcache that is a recompute, with lmcache a load);
-- ``throughput``: prompt tokens per second for a batch of distinct 2k-token prompts (0 % reuse).
+- ``throughput``: prompt tokens per second for a batch of distinct 2k-token prompts (0 % reuse),
+  median over ``--tput-reps`` batches of new prompts.
 
 Targets printed next to the figures: cold within +2 %, throughput at least 99 % of no-lmcache,
 warm at least 3x faster than recompute.
@@ -227,7 +228,7 @@ def _thread_cpu() -> dict[int, float]:
 def _measure(
     llm: Any,
     prompts: list[list[int]],
-    batch: list[list[int]],
+    batches: list[list[list[int]]],
     prof: _Profile,
     tag: str,
 ) -> dict[str, float]:
@@ -235,12 +236,15 @@ def _measure(
     cold = prof.run(f"{tag}-cold", lambda: [_ttft(llm, p, prof) for p in prompts[:-1]])
     llm.reset_prefix_cache()
     warm = prof.run(f"{tag}-warm", lambda: [_ttft(llm, p, prof) for p in prompts[:-1]])
-    tput = prof.run(f"{tag}-tput", lambda: _throughput(llm, batch))
+    tputs = prof.run(f"{tag}-tput", lambda: [_throughput(llm, b) for b in batches])
+    tput = statistics.median(tputs)
     print(
         f"{tag}: TTFT per request (ms), cold "
         + " ".join(f"{1e3 * t:.1f}" for t, _ in cold)
         + "; warm "
-        + " ".join(f"{1e3 * t:.1f}" for t, _ in warm),
+        + " ".join(f"{1e3 * t:.1f}" for t, _ in warm)
+        + "; throughput per batch (tok/s) "
+        + " ".join(f"{x:.0f}" for x in tputs),
         flush=True,
     )
     return {
@@ -284,6 +288,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=32, help="2k-token prompts per batch")
+    parser.add_argument(
+        "--tput-reps",
+        type=int,
+        default=1,
+        help="throughput batches per engine, each of new prompts; the median is reported",
+    )
     parser.add_argument(
         "--checksum",
         choices=("default", "on", "off"),
@@ -349,7 +359,13 @@ def main() -> None:
     prompts = [
         make_prompt(args.tokens, seed=100 + i, vocab_size=32000) for i in range(args.reps + 1)
     ]
-    batch = [make_prompt(2048, seed=1000 + i, vocab_size=32000) for i in range(args.batch)]
+    batches = [
+        [
+            make_prompt(2048, seed=1000 + r * args.batch + i, vocab_size=32000)
+            for i in range(args.batch)
+        ]
+        for r in range(args.tput_reps)
+    ]
     max_len = args.tokens + 64
     print(
         f"{torch.cuda.get_device_name()}, vLLM {vllm.__version__}, random Llama: 8 layers, "
@@ -359,7 +375,7 @@ def main() -> None:
     prof = _Profile(args.profile)
     base_llm = _engine(model, None, max_len)
     try:
-        base = _measure(base_llm, prompts, batch, prof, "base")
+        base = _measure(base_llm, prompts, batches, prof, "base")
     finally:
         _shutdown(base_llm)
 
@@ -376,7 +392,7 @@ def main() -> None:
     try:
         for engine in live_engines():
             engine.pool.wait_prepinned(timeout=300)  # pinning is not what this measures
-        lm = _measure(lm_llm, prompts, batch, prof, "lmcache")
+        lm = _measure(lm_llm, prompts, batches, prof, "lmcache")
         for engine in live_engines():
             m = engine.metrics
             names = (
