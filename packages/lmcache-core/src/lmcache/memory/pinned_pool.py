@@ -333,24 +333,8 @@ class HostMemoryPool:
         Raises:
             ValueError: a negative dimension.
         """
-        shape = tuple(int(d) for d in shape)
-        if any(d < 0 for d in shape):
-            raise ValueError(f"HostMemoryPool.allocate: negative dimension in shape {shape}")
-        nbytes = math.prod(shape) * dtype.itemsize
-        size = _align(nbytes)
-        with self._lock:
-            if size > self._budget - self._used:
-                return None
-            placed = self._place(size)
-            if placed is None:
-                return None
-            slab, offset = placed
-            self._used += size
-            # Engines call us under torch.inference_mode(); chunk views made there could not be
-            # written outside it, so they are made as normal tensors.
-            with torch.inference_mode(False):
-                view = slab.tensor[offset : offset + nbytes].view(dtype).view(shape)
-            return MemoryLease(self, _Allocation(slab, offset, size, view))
+        leases = self.allocate_many(shape, dtype, 1)
+        return leases[0] if leases else None
 
     def allocate_many(
         self, shape: Sequence[int], dtype: torch.dtype, count: int

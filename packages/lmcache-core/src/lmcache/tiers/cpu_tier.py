@@ -277,20 +277,8 @@ class CPUTier:
             A lease on the buffer (contents undefined), or ``None`` when nothing more can be
             evicted and it still does not fit.
         """
-        counts = self.metrics if metrics is None else metrics
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes > self.pool.budget_bytes:
-            return None  # evicting cannot help
-        with self._lock:
-            while True:
-                lease = self.pool.allocate(shape, dtype)
-                if lease is not None:
-                    return lease
-                victim = next((k for k, e in self._entries.items() if e.lease.ref_count == 1), None)
-                if victim is None:
-                    return None
-                self._entries.pop(victim).lease.release()
-                counts.evicted_chunks.inc()
+        leases = self.allocate_many(shape, dtype, 1, metrics=metrics)
+        return leases[0] if leases else None
 
     def allocate_many(
         self,
