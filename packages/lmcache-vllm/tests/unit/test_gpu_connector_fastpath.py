@@ -359,3 +359,43 @@ def test_chunks_at_a_constant_step_merge_into_one_strided_run():
                 lo = i * CHUNK * plan.row_bytes + a * CHUNK * plan.layer_bytes
                 conn._add_run(grouped, lo, (b - a) * CHUNK * plan.layer_bytes, c.buffer[a:b], piece)
         assert [(r.rows, r.piece) for r in grouped.runs] == [(3, 0), (3, 1)]
+
+
+def test_a_strided_run_is_one_runtime_call_with_both_pitches(monkeypatch):
+    """``_memcpy_2d`` hands the CUDA runtime one 2D copy per strided run: destination and source
+    with their own pitches, the row width and count, the direction and the stream; a runtime
+    error is raised with the runtime's message; without the runtime the caller goes row by row.
+    (A recorded runtime: the real one moves these bytes in the CUDA tests.)"""
+    from types import SimpleNamespace
+
+    from lmcache_vllm import fused_transfer as ft
+
+    md = _md("lbnhc")
+    conn = _conn("lbnhc", md, _caches("lbnhc", md, "cpu", 15), True)
+    rng = [(0, 8), (8, 16), (16, 24)]
+    calls: list[tuple[int, ...]] = []
+    lib = SimpleNamespace(
+        rc=0,
+        cudaMemcpy2DAsync=lambda *a: (calls.append(a), lib.rc)[1],
+        cudaGetErrorString=lambda rc: b"invalid argument",
+    )
+    monkeypatch.setattr(ft, "_cudart", lambda: lib)
+    with _buffers(conn, rng, "scattered") as bufs:
+        chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, bufs, strict=True)]
+        plan = conn._plan(range(LAYERS), chunks, 0, 0)
+        (run,) = plan.runs
+        staging = torch.empty(plan.total * plan.row_bytes, dtype=torch.uint8)
+        stream = SimpleNamespace(cuda_stream=1234)
+        host, dev = bufs[0].data_ptr(), staging.data_ptr()
+        assert ft._memcpy_2d(run, staging, False, stream)
+        assert ft._memcpy_2d(run, staging, True, stream)
+        width, pitch_h, pitch_d = run.nbytes, run.host_pitch, run.dev_pitch
+        assert calls == [
+            (dev, pitch_d, host, pitch_h, width, 3, 1, 1234),  # host to device
+            (host, pitch_h, dev, pitch_d, width, 3, 2, 1234),  # device to host
+        ]
+        lib.rc = 1
+        with pytest.raises(RuntimeError, match=r"3 rows of \d+ bytes failed: invalid argument"):
+            ft._memcpy_2d(run, staging, False, stream)
+        monkeypatch.setattr(ft, "_cudart", lambda: None)
+        assert not ft._memcpy_2d(run, staging, False, stream)
