@@ -8,9 +8,10 @@ chunks. Every transfer moves all chunks of a request at once, through one *chunk
 buffer (on the device when ``config.gpu_staging_buffer``): chunk ``c``'s ``[num_layers, tokens,
 kv_width]`` block is contiguous there, so each chunk (or each run of chunks whose host buffers lie
 back to back in one pool slab) moves in one copy-engine DMA; the same part of several chunks at a
-constant step (a layer group of each chunk) moves in one strided ``cudaMemcpy2DAsync``. Slot indices are built once per call,
-on the host when the slot mapping is on the host (the adapter's case: no device sync at all; they
-go to the device through a persistent pinned buffer), otherwise on the device.
+constant step (a layer group of each chunk) moves in one strided ``cudaMemcpy2DAsync``. Slot
+indices are built once per call, on the host when the slot mapping is on the host (the adapter's
+case: no device sync at all; they go to the device through a persistent pinned buffer),
+otherwise on the device.
 
 :class:`FusedTransfer` is a mixin of the connector: it uses the connector's geometry
 (``metadata``, ``_caches``, ``block_size``, ``num_blocks``, ``device``) and slot checks. This
