@@ -222,16 +222,10 @@ def _memcpy_2d(run: _Run, dev: torch.Tensor, to_host: bool, stream: Any) -> bool
     lib = _cudart()
     if lib is None:
         return False
-    host = run.host.data_ptr()
-    d = dev.data_ptr()
-    if to_host:
-        args = (host, run.host_pitch, d, run.dev_pitch, 2)  # cudaMemcpyDeviceToHost
-    else:
-        args = (d, run.dev_pitch, host, run.host_pitch, 1)  # cudaMemcpyHostToDevice
-    dst, dpitch, src, spitch, kind = args
-    err = lib.cudaMemcpy2DAsync(
-        dst, dpitch, src, spitch, run.nbytes, run.rows, kind, stream.cuda_stream
-    )
+    host = (run.host.data_ptr(), run.host_pitch)
+    device = (dev.data_ptr(), run.dev_pitch)
+    dst, src, kind = (host, device, 2) if to_host else (device, host, 1)  # cudaMemcpyKind
+    err = lib.cudaMemcpy2DAsync(*dst, *src, run.nbytes, run.rows, kind, stream.cuda_stream)
     if err != 0:
         raise RuntimeError(
             f"lmcache: cudaMemcpy2DAsync of {run.rows} rows of {run.nbytes} bytes failed: "

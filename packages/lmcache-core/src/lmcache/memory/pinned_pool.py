@@ -84,17 +84,6 @@ class _Slab:
                 return offset, k
         return None
 
-    def take(self, size: int) -> int | None:
-        """First fit: carve ``size`` bytes out of a free range; return the offset or ``None``."""
-        for i, (offset, length) in enumerate(self.free):
-            if length >= size:
-                if length == size:
-                    del self.free[i]
-                else:
-                    self.free[i] = (offset + size, length - size)
-                return offset
-        return None
-
     def give_back(self, offset: int, size: int) -> None:
         """Return ``[offset, offset + size)`` to the free list, merging adjacent ranges."""
         free = self.free
@@ -364,18 +353,9 @@ class HostMemoryPool:
         with torch.inference_mode(False), self._lock:
             while len(out) < count and size <= self._budget - self._used:
                 want = min(count - len(out), (self._budget - self._used) // size)
-                run = None
-                if size <= self._slab_bytes:
-                    for slab in self._slabs:
-                        got = slab.take_run(size, want)
-                        if got is not None:
-                            run = (slab, got[0], got[1])
-                            break
+                run = self._place(size, want)
                 if run is None:
-                    placed = self._place(size)  # a new slab (or a dedicated one), or nothing
-                    if placed is None:
-                        break
-                    run = (placed[0], placed[1], 1)
+                    break
                 slab, offset, k = run
                 self._used += k * size
                 region = slab.tensor[offset : offset + k * size].view(k, size)[:, :nbytes]
@@ -385,8 +365,9 @@ class HostMemoryPool:
                     out.append(MemoryLease(self, _Allocation(slab, offset + j * size, size, view)))
         return out
 
-    def _place(self, size: int) -> tuple[_Slab, int] | None:
-        """Find or make room for ``size`` bytes; caller holds the lock."""
+    def _place(self, size: int, want: int) -> tuple[_Slab, int, int] | None:
+        """Find or make room for up to ``want`` back-to-back pieces of ``size`` bytes: ``(slab,
+        offset, pieces)`` (at least one piece), or ``None``; caller holds the lock."""
         if size > self._slab_bytes:
             if not self._make_room(size):
                 return None
@@ -394,11 +375,11 @@ class HostMemoryPool:
             if slab is None:
                 return None
             self._dedicated += size
-            return slab, 0
+            return slab, 0, 1
         for slab in self._slabs:
-            offset = slab.take(size)
-            if offset is not None:
-                return slab, offset
+            got = slab.take_run(size, want)
+            if got is not None:
+                return slab, got[0], got[1]
         room = self._budget - self._reserved()
         if room < size:
             if not self._make_room(size):
@@ -408,9 +389,9 @@ class HostMemoryPool:
         if slab is None:
             return None
         self._slabs.append(slab)
-        offset = slab.take(size)
-        assert offset == 0
-        return slab, offset
+        got = slab.take_run(size, want)
+        assert got is not None and got[0] == 0
+        return slab, 0, got[1]
 
     def _make_room(self, size: int) -> bool:
         """Drop empty shared slabs until ``size`` more bytes fit in the budget."""
