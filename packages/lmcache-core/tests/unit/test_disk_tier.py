@@ -237,7 +237,11 @@ def test_aligned_buffers_read_with_o_direct_and_fall_back(
     # Refused once: the tier stops trying. Accepted: each aligned read is direct.
     assert len(direct_opens) == (2 if tier._direct else 1)
     assert not (refuse and tier._direct)  # refused once: the tier stopped trying
-    _, (unaligned,) = _load(tier, metrics, [_key(0)], shape=shape, dtype=torch.bfloat16)
+    # a buffer 256 bytes past a 4 KiB boundary (a plain tensor could land aligned by chance)
+    base = _aligned((1, 1, shape[0] * shape[1] * shape[2] + 128), torch.bfloat16).view(-1)
+    unaligned = base[128:].view(shape).fill_(float("nan"))
+    assert unaligned.data_ptr() % 4096 == 256
+    assert tier.read_into(FP, [ReadRequest(_key(0), unaligned)], metrics) == 1
     assert _same_bits(unaligned, _values(_key(0), shape, torch.bfloat16))
     assert len(direct_opens) == (2 if tier._direct else 1)  # the unaligned buffer read buffered
     assert metrics.value("tier_errors") == 0
