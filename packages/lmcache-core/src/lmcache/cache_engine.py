@@ -60,7 +60,14 @@ from lmcache.gpu_connector.interface import (
     supports_layerwise,
 )
 from lmcache.held_hit import HeldHit
-from lmcache.layerwise import LayerwiseRetrieve, LayerwiseStore, Pending, StagedStore, release_all
+from lmcache.layerwise import (
+    LayerwiseRetrieve,
+    LayerwiseStore,
+    Pending,
+    PlannedStore,
+    StagedStore,
+    release_all,
+)
 from lmcache.memory import HostMemoryPool, LeaseError, MemoryLease
 from lmcache.metrics import LMCacheMetrics
 from lmcache.request_plan import ExtraKeys, RequestPlan, Tokens, plan_request
@@ -76,6 +83,7 @@ __all__ = [
     "LMCacheEngine",
     "LayerwiseRetrieve",
     "LayerwiseStore",
+    "PlannedStore",
     "StagedStore",
     "Tokens",
 ]
@@ -484,18 +492,35 @@ class LMCacheEngine:
         ``.commit()`` on the result checksums and publishes the chunks (``store`` is
         ``copy_out(...).commit()``). Arguments and errors as for :meth:`store`.
         """
+        planned = self.plan_store(tokens, mask, transfer, salt=salt, extra_keys=extra_keys)
+        return planned.copy_out(transfer)
+
+    def plan_store(
+        self,
+        tokens: Tokens,
+        mask: torch.Tensor | None,
+        transfer: TransferSpec,
+        *,
+        salt: str = "",
+        extra_keys: ExtraKeys | None = None,
+    ) -> PlannedStore:
+        """The host-side part of :meth:`copy_out`, before anything is read from the engine:
+        choose the chunks to store, lease their buffers and let the connector plan the copy
+        (:meth:`~lmcache.gpu_connector.GPUConnectorInterface.prepare_store`).
+
+        Call it while the engine computes the KV (it does not read the engine's memory), then
+        ``.copy_out()`` once the KV is written; ``.abort()`` if it will not be. Arguments and
+        errors as for :meth:`store`.
+        """
         connector = self._connector("store")
         started = time.perf_counter()
         plan = self._plan(tokens, mask, transfer, salt, extra_keys)
-        staged = StagedStore(self, self._allocate_store(plan), plan.keys, started)
-        pending = staged._pending
-        if pending:
-            try:
-                connector.from_gpu([p.chunk for p in pending], transfer)
-            except BaseException:
-                staged.abort()
-                raise
-        return staged
+        pending = self._allocate_store(plan)
+        try:
+            return PlannedStore(self, connector, pending, plan.keys, transfer, started)
+        except BaseException:
+            release_all(pending)
+            raise
 
     def retrieve(
         self,

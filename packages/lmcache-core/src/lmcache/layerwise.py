@@ -6,10 +6,15 @@
 and return one of these plain objects; the caller drives it layer by layer, in order, then calls
 ``finish()`` (or ``abort()``). Chunks of a layerwise store become visible to lookups at
 ``finish()``; a layerwise retrieve keeps its chunk leases until the copies are done.
+
+A batched store can be split the same way: :class:`PlannedStore` (keys, leases and the
+connector's planning, before the engine has computed the KV), then :class:`StagedStore` (the
+bytes copied, not yet visible), then ``commit()``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,7 +32,14 @@ from lmcache.memory import MemoryLease
 if TYPE_CHECKING:
     from lmcache.cache_engine import LMCacheEngine
 
-__all__ = ["LayerwiseRetrieve", "LayerwiseStore", "Pending", "StagedStore", "release_all"]
+__all__ = [
+    "LayerwiseRetrieve",
+    "LayerwiseStore",
+    "Pending",
+    "PlannedStore",
+    "StagedStore",
+    "release_all",
+]
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,80 @@ class StagedStore:
     def abort(self) -> None:
         """Release the buffers without publishing anything (idempotent)."""
         self._done = True
+        release_all(self._pending)
+
+
+class PlannedStore:
+    """A store whose chunks are chosen and whose host buffers are leased, nothing copied yet.
+
+    :meth:`lmcache.cache_engine.LMCacheEngine.plan_store` returns it, so the host-side work of a
+    store (hashing, leasing, the connector's :meth:`~lmcache.gpu_connector.GPUConnectorInterface.
+    prepare_store`) can run before the engine has computed the KV; :meth:`copy_out` then copies
+    it (``copy_out`` of the engine is ``plan_store(...).copy_out()``). :meth:`abort` drops it.
+    """
+
+    def __init__(
+        self,
+        engine: LMCacheEngine,
+        connector: GPUConnectorInterface,
+        pending: list[Pending],
+        chain: Sequence[bytes],
+        transfer: TransferSpec,
+        started: float,
+    ) -> None:
+        self._engine = engine
+        self._gpu = connector
+        self._pending = pending
+        self._chain = chain
+        self._chunks = [p.chunk for p in pending]
+        self._slots = transfer.slot_mapping
+        self._prepared = connector.prepare_store(self._chunks, transfer) if pending else None
+        self._started = started
+        self._done = False
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this store saves (chunks whose buffers were leased)."""
+        return sum(c.num_tokens for c in self._chunks)
+
+    def copy_out(self, transfer: TransferSpec | None = None) -> StagedStore:
+        """Copy the chunks out of the engine (one ``from_gpu`` call) into their buffers.
+
+        Args:
+            transfer: How to copy (stream, ``deferred``, ``on_engine_read``); its slot mapping
+                must be the one given to ``plan_store``. ``None``: that transfer as it was.
+
+        Returns:
+            The staged store, to ``commit()`` (see :class:`StagedStore`).
+
+        Raises:
+            RuntimeError: copied or aborted already.
+            ValueError: ``transfer`` has another slot mapping.
+            Errors of the connector are raised as they are (the buffers are released).
+        """
+        if self._done:
+            raise RuntimeError("PlannedStore.copy_out(): copied or aborted already.")
+        if transfer is not None and transfer.slot_mapping is not self._slots:
+            raise ValueError(
+                "PlannedStore.copy_out(): the transfer's slot mapping is not the one the store "
+                "was planned with; pass the same TransferSpec.slot_mapping tensor."
+            )
+        self._done = True
+        staged = StagedStore(self._engine, self._pending, self._chain, self._started)
+        if not self._pending:
+            return staged
+        spec = TransferSpec(self._slots) if transfer is None else transfer
+        try:
+            self._gpu.from_gpu(self._chunks, dataclasses.replace(spec, prepared=self._prepared))
+        except BaseException:
+            staged.abort()
+            raise
+        return staged
+
+    def abort(self) -> None:
+        """Release the buffers without copying anything (idempotent)."""
+        self._done = True
+        self._prepared = None
         release_all(self._pending)
 
 
@@ -186,6 +272,10 @@ class LayerwiseStore(_LayerwiseOp):
     ) -> None:
         super().__init__(engine, connector, pending, transfer, started)
         self._chain = chain
+        if pending:  # planned once for every layer (e.g. the slot indices)
+            prepared = connector.prepare_store([p.chunk for p in pending], transfer)
+            if prepared is not None:
+                self._transfer = dataclasses.replace(transfer, prepared=prepared)
 
     @property
     def num_tokens(self) -> int:
@@ -193,7 +283,8 @@ class LayerwiseStore(_LayerwiseOp):
         return sum(p.chunk.num_tokens for p in self._pending)
 
     def store_layer(self, layer: int) -> None:
-        """Copy ``layer`` of every chunk from the engine (one ``from_gpu_layer`` call).
+        """Copy ``layer`` of every chunk from the engine (one ``from_gpu_layer`` call, given
+        what the connector's ``prepare_store`` made of the whole store, once).
 
         A connector error aborts the store and is raised.
         """

@@ -527,6 +527,78 @@ def test_copy_out_then_commit_in_two_halves() -> None:
     assert s.engine.pool.used_bytes == used and s.engine.lookup(other) == 0
 
 
+class PreparingConnector(FlatConnector):
+    """A connector with ``prepare_store``: records what it prepared and what ``from_gpu`` got."""
+
+    def __init__(self, config: LMCacheConfig, metadata: LMCacheMetadata, kv: torch.Tensor) -> None:
+        super().__init__(config, metadata, kv)
+        self.prepared: list[tuple[list[ChunkTransfer], torch.Tensor]] = []
+        self.copied: list[tuple[list[ChunkTransfer], object]] = []
+
+    def prepare_store(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> object:
+        self.prepared.append((list(chunks), transfer.slot_mapping))
+        return ("plan", len(self.prepared))
+
+    def from_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
+        self.copied.append((list(chunks), transfer.prepared))
+        super().from_gpu(chunks, transfer)
+
+
+def test_plan_store_then_copy_out_reads_the_engine_at_copy_time() -> None:
+    """plan_store leases buffers and lets the connector prepare before the KV exists; the bytes
+    stored are the engine's at copy_out (the forward wrote them after the plan), the connector
+    gets its own prepared object back with the same chunks, and nothing is visible before
+    commit. A wrong slot mapping, a second copy and abort behave as documented."""
+    s = Setup(11)
+    s.conn = PreparingConnector(s.config, _metadata(), s.src)
+    s.engine = LMCacheEngine(s.config, _metadata(), s.conn)
+    tokens, src, dst = s.request(80)  # full chunks + a partial one
+    written = s.src.clone()
+    s.src.fill_(3.0)  # the pages before the forward wrote this request's KV
+    planned = s.engine.plan_store(tokens, None, src)
+    assert planned.num_tokens == 80 and s.engine.lookup(tokens) == 0
+    assert len(s.conn.prepared) == 1 and s.conn.prepared[0][1] is src.slot_mapping
+    assert s.conn.calls["from_gpu"] == 0  # nothing read from the engine yet
+    with pytest.raises(ValueError, match="slot mapping"):
+        planned.copy_out(TransferSpec(src.slot_mapping.clone()))
+    s.src.copy_(written)  # the forward wrote the KV
+    staged = planned.copy_out(src)
+    chunks, prepared = s.conn.copied[0]
+    assert prepared == ("plan", 1)
+    assert [(c.start, c.end) for c in chunks] == [(i, min(i + CS, 80)) for i in range(0, 80, CS)]
+    assert [c.buffer.data_ptr() for c in chunks] == [
+        c.buffer.data_ptr() for c in s.conn.prepared[0][0]
+    ]
+    with pytest.raises(RuntimeError, match="already"):
+        planned.copy_out(src)
+    assert s.engine.lookup(tokens) == 0
+    assert staged.commit() == 80 and s.engine.lookup(tokens) == 80
+    s.to_dst()
+    s.check_loaded(src, dst, s.engine.retrieve(tokens, None, dst))
+
+    other, src2, _ = s.request(64, seed=21)
+    used = s.engine.pool.used_bytes
+    dropped = s.engine.plan_store(other, None, src2)
+    assert s.engine.pool.used_bytes == used + 4 * CHUNK_BYTES
+    dropped.abort()
+    dropped.abort()  # idempotent
+    assert s.engine.pool.used_bytes == used and s.engine.lookup(other) == 0
+    with pytest.raises(RuntimeError, match="aborted"):
+        dropped.copy_out()
+
+
+def test_plan_store_copy_failure_releases_the_buffers() -> None:
+    """A connector error in copy_out is raised and the planned buffers go back to the pool."""
+    s = Setup(12)
+    tokens, src, _ = s.request(64)
+    used = s.engine.pool.used_bytes
+    planned = s.engine.plan_store(tokens, None, src)
+    s.conn.fail_next = "from_gpu"
+    with pytest.raises(RuntimeError, match="injected from_gpu"):
+        planned.copy_out()
+    assert s.engine.pool.used_bytes == used and s.engine.lookup(tokens) == 0
+
+
 def test_layerwise_load_layers_in_groups_matches_per_layer() -> None:
     """load_layers(stop) moves a range of layers in one to_gpu_layers call (the default loops
     to_gpu_layer); the result is bit-identical to a plain retrieve."""

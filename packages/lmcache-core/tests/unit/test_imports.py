@@ -226,6 +226,7 @@ def test_top_level_lazy_names() -> None:
         "LMCacheEngine",
         "LayerwiseRetrieve",
         "LayerwiseStore",
+        "PlannedStore",
         "StagedStore",
         "Tokens",
     ]

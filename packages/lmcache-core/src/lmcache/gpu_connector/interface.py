@@ -104,6 +104,9 @@ class TransferSpec:
         staged: Load only: what the connector's own ``prefetch`` returned for these chunks (a
             device copy of their bytes, made earlier); a connector that finds it covers the
             chunks scatters from it instead of copying from the host, else ignores it.
+        prepared: Store only: what this connector's :meth:`GPUConnectorInterface.prepare_store`
+            returned for the same chunk list and slot mapping (host-side planning done ahead);
+            a connector that finds it matches skips that planning, else ignores it.
     """
 
     slot_mapping: torch.Tensor
@@ -112,6 +115,7 @@ class TransferSpec:
     deferred: bool = False
     on_engine_read: Callable[[], None] | None = None
     staged: Any = None
+    prepared: Any = None
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,21 @@ class GPUConnectorInterface(ABC):
             ValueError: a buffer's shape/dtype does not match :meth:`chunk_shape`/``dtype``, or
                 the slot mapping does not cover the chunks.
         """
+
+    def prepare_store(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> Any:
+        """Optional: plan a later :meth:`from_gpu` of ``chunks`` ahead of it, before the engine
+        has written the KV (e.g. while its forward pass runs), so the copy itself starts with
+        less host work. Must not read the engine's memory; device work it enqueues goes on
+        ``transfer.stream`` (or the current stream), where the later copy must run too.
+
+        Returns:
+            An opaque object for ``TransferSpec.prepared`` of that later call, or ``None``
+            (the default: nothing to prepare).
+
+        Raises:
+            ValueError: as for :meth:`from_gpu`.
+        """
+        return None
 
     @abstractmethod
     def to_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
