@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -175,8 +176,9 @@ _CUDART_LOADED = False
 
 
 def _cudart() -> Any:
-    """The CUDA runtime library torch loaded (ctypes), for ``cudaMemcpy2DAsync``; ``None`` when
-    it cannot be found (strided runs then copy row by row)."""
+    """The CUDA runtime library torch loaded (ctypes), for ``cudaMemcpy2DAsync`` and
+    ``cudaMemcpyAsync``; ``None`` when it cannot be found (strided runs then copy row by row,
+    plain runs through torch)."""
     global _CUDART, _CUDART_LOADED
     if _CUDART_LOADED:
         return _CUDART
@@ -203,6 +205,8 @@ def _cudart() -> Any:
         ptr, size = ctypes.c_void_p, ctypes.c_size_t
         fn.argtypes = [ptr, size, ptr, size, size, size, ctypes.c_int, ptr]  # .., kind, stream
         fn.restype = ctypes.c_int
+        lib.cudaMemcpyAsync.argtypes = [ptr, ptr, size, ctypes.c_int, ptr]  # dst, src, n, ..
+        lib.cudaMemcpyAsync.restype = ctypes.c_int
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         _CUDART = lib
@@ -229,6 +233,29 @@ def _memcpy_2d(run: _Run, dev: torch.Tensor, to_host: bool, stream: Any) -> bool
     if err != 0:
         raise RuntimeError(
             f"lmcache: cudaMemcpy2DAsync of {run.rows} rows of {run.nbytes} bytes failed: "
+            f"{lib.cudaGetErrorString(err).decode(errors='replace')}"
+        )
+    return True
+
+
+def _memcpy_1d(run: _Run, dev: int, to_host: bool, stream: Any) -> bool:
+    """Move a contiguous one-row ``run`` (from/to device address ``dev``) with one
+    ``cudaMemcpyAsync`` on ``stream``: a few microseconds of host time, where a torch
+    ``copy_`` costs several times that (a 16k-token save is 64 such copies); ``False`` when the
+    runtime is not available (the caller copies through torch).
+
+    Raises:
+        RuntimeError: the runtime refused the copy (its error string).
+    """
+    lib = _cudart()
+    if lib is None:
+        return False
+    host = run.host.data_ptr()
+    dst, src, kind = (host, dev, 2) if to_host else (dev, host, 1)  # cudaMemcpyKind
+    err = lib.cudaMemcpyAsync(dst, src, run.nbytes, kind, stream.cuda_stream)
+    if err != 0:
+        raise RuntimeError(
+            f"lmcache: cudaMemcpyAsync of {run.nbytes} bytes failed: "
             f"{lib.cudaGetErrorString(err).decode(errors='replace')}"
         )
     return True
@@ -304,6 +331,38 @@ class Prefetched:
         return self.offsets[i]
 
 
+@dataclass
+class _PreparedFrom:
+    """A store's plan and device slot indices, made by :meth:`FusedTransfer._fused_prepare`
+    before the KV exists; valid for a copy of all layers of the same chunk list and slot
+    mapping. ``uploaded``: CUDA event after the indices' upload."""
+
+    layers: range
+    chunks: Sequence[ChunkTransfer]
+    slots: torch.Tensor
+    plan: _Plan
+    idx: torch.Tensor
+    check: Callable[[], None]
+    uploaded: Any
+
+    def matches(
+        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> bool:
+        """Whether the plan is the one of this call (all of it is reused)."""
+        return (
+            self.chunks is chunks and self.slots is transfer.slot_mapping and self.layers == layers
+        )
+
+    def indexes(self, plan: _Plan, transfer: TransferSpec) -> bool:
+        """Whether the indices fit ``plan`` (the same chunks and slots; the layers may differ:
+        a layerwise store uploads them once for all of its layers)."""
+        return (
+            self.slots is transfer.slot_mapping
+            and self.plan.staged == plan.staged
+            and self.plan.kept == plan.kept
+        )
+
+
 class FusedTransfer:
     """Mixin: the fused all-layer path (see the module docstring).
 
@@ -359,6 +418,9 @@ class FusedTransfer:
         # Persistent pinned host buffers (CUDA): index upload and the slot-range answer.
         self._pinned_idx: list[list[Any]] = []  # ring of [pinned int64 buffer, upload event]
         self._pinned_lo_hi: torch.Tensor | None = None
+        # A store may be planned (prepare_store) on one thread while a load runs on another:
+        # taking a ring slot, filling it and recording its upload is one step under this lock.
+        self._ring_lock = threading.Lock()
 
     def _setup_fused(self) -> None:
         """Build the indexed views of the fused path, ``[..., slot, *row]`` (or ``[..., block,
@@ -555,23 +617,17 @@ class FusedTransfer:
         if slots.device.type == "cpu" or self.device.type == "cpu":
             slots = slots.to("cpu", torch.int64)
             self._check_slots(slots if kept_pos is None else slots[kept_pos], token_ids)
-            slot: list[Any] | None = None
-            if self.device.type == "cuda":
+            if self.device.type != "cuda":
+                idx = torch.empty((rows, plan.total), dtype=torch.int64)
+                self._fill_indices(idx, slots)
+                return idx, lambda: None
+            with self._ring_lock:
                 slot = self._pinned_slot(rows * plan.total)
                 idx = slot[0][: rows * plan.total].view(rows, plan.total)
-            else:
-                idx = torch.empty((rows, plan.total), dtype=torch.int64)
-            if rows == 1:
-                idx[0] = slots
-            else:
-                torch.div(slots, bs, rounding_mode="floor", out=idx[0])
-                torch.remainder(slots, bs, out=idx[1])
-            if self.device.type != "cuda":
-                return idx, lambda: None
-            on_dev = idx.to(self.device, non_blocking=True)
-            assert slot is not None
-            slot[1] = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            slot[1].record()
+                self._fill_indices(idx, slots)
+                on_dev = idx.to(self.device, non_blocking=True)
+                slot[1] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                slot[1].record()
             return on_dev, lambda: None
         slots = slots.to(self.device, torch.int64)
         on_dev = kept_pos.to(self.device) if isinstance(kept_pos, torch.Tensor) else kept_pos
@@ -597,6 +653,14 @@ class FusedTransfer:
                 self._check_slots(host, token_ids)
 
         return idx, check
+
+    def _fill_indices(self, idx: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write ``[1, n]`` slots or ``[2, n]`` (block, offset) of host ``slots`` into ``idx``."""
+        if idx.shape[0] == 1:
+            idx[0] = slots
+        else:
+            torch.div(slots, self.block_size, rounding_mode="floor", out=idx[0])
+            torch.remainder(slots, self.block_size, out=idx[1])
 
     pinned_ring: int = 8
     """Pinned index buffers kept for reuse (CUDA)."""
@@ -732,11 +796,17 @@ class FusedTransfer:
     def _copy_runs(
         self, plan: _Plan, staging: torch.Tensor, to_host: bool, piece: int = -1
     ) -> None:
+        stream = None
+        if self.device.type == "cuda" and staging.is_cuda:
+            stream = torch.cuda.current_stream(self.device)
+        base = staging.data_ptr()
         for r in plan.runs:
             if piece >= 0 and r.piece != piece:
                 continue
             if r.rows > 1:
                 self._copy_2d(r, staging, to_host)
+                continue
+            if stream is not None and r.contiguous and _memcpy_1d(r, base + r.lo, to_host, stream):
                 continue
             dev = staging[r.lo : r.lo + r.nbytes]
             host = r.host_view()
@@ -777,34 +847,76 @@ class FusedTransfer:
             self._copy_stream_obj = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         return self._copy_stream_obj
 
+    def _store_pieces(self, transfer: TransferSpec) -> int:
+        """``piece_bytes`` of a store's plan: a deferred store (nobody waits for it) in one
+        piece, one gather and its DMAs with no side-stream hops (fewer launches on the save
+        thread); else the default pipelining (:meth:`_piece_bytes`)."""
+        deferred = transfer.deferred and transfer.stream is not None
+        return 0 if deferred and self.device.type == "cuda" else -1
+
+    def _fused_prepare(
+        self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> _PreparedFrom | None:
+        """The host side of a later all-layer :meth:`_fused_from` of ``chunks``, done ahead:
+        the plan, and the slot indices uploaded on ``transfer.stream`` (CUDA, and a slot
+        mapping on the host: a device one is checked through a buffer each call reuses)."""
+        if self.device.type != "cuda" or transfer.slot_mapping.device.type != "cpu":
+            return None
+        self.check_chunks(chunks, transfer)  # type: ignore[attr-defined]
+        layers = range(self.num_layers)
+        plan = self._plan(layers, chunks, 0, self._store_pieces(transfer))
+        with self._stream_ctx(transfer):
+            idx, check = self._fused_indices(plan, transfer)
+            uploaded = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            uploaded.record()
+        return _PreparedFrom(layers, chunks, transfer.slot_mapping, plan, idx, check, uploaded)
+
     def _fused_from(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
     ) -> None:
-        plan = self._plan(layers, chunks, 0)
-        with self._stream_ctx(transfer):
-            idx, check = self._fused_indices(plan, transfer)
-            staging = torch.empty(
-                plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
-            )
-            copy = self._copy_stream(plan)
-            if copy is None:
-                self._gather(plan, staging, layers, idx, -1)
-                if transfer.on_engine_read is not None:
-                    transfer.on_engine_read()
-                self._copy_runs(plan, staging, to_host=True)
-            else:  # gather piece i + 1 while piece i goes to the host
-                main = torch.cuda.current_stream(self.device)
-                for piece in range(plan.pieces):
-                    self._gather(plan, staging, layers, idx, piece)
-                    copy.wait_stream(main)
-                    with torch.cuda.stream(copy):
-                        self._copy_runs(plan, staging, to_host=True, piece=piece)
-                if transfer.on_engine_read is not None:
-                    transfer.on_engine_read()  # every gather is on main now
-                main.wait_stream(copy)
-        if not (transfer.deferred and transfer.stream is not None and self.device.type == "cuda"):
-            self._sync(transfer)
-        check()
+        deferred = transfer.deferred and transfer.stream is not None and self.device.type == "cuda"
+        try:
+            prep = transfer.prepared
+            if not isinstance(prep, _PreparedFrom):
+                prep = None
+            if prep is not None and prep.matches(layers, chunks, transfer):
+                plan = prep.plan  # planned while the step computed this KV
+            else:
+                plan = self._plan(layers, chunks, 0, self._store_pieces(transfer))
+            if prep is not None and not prep.indexes(plan, transfer):
+                prep = None
+            with self._stream_ctx(transfer):
+                if prep is None:
+                    idx, check = self._fused_indices(plan, transfer)
+                else:
+                    idx, check = prep.idx, prep.check
+                    torch.cuda.current_stream(self.device).wait_event(prep.uploaded)
+                staging = torch.empty(
+                    plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
+                )
+                copy = self._copy_stream(plan)
+                if copy is None:
+                    self._gather(plan, staging, layers, idx, -1)
+                    if transfer.on_engine_read is not None:
+                        transfer.on_engine_read()
+                    self._copy_runs(plan, staging, to_host=True)
+                else:  # gather piece i + 1 while piece i goes to the host
+                    main = torch.cuda.current_stream(self.device)
+                    for piece in range(plan.pieces):
+                        self._gather(plan, staging, layers, idx, piece)
+                        copy.wait_stream(main)
+                        with torch.cuda.stream(copy):
+                            self._copy_runs(plan, staging, to_host=True, piece=piece)
+                    if transfer.on_engine_read is not None:
+                        transfer.on_engine_read()  # every gather is on main now
+                    main.wait_stream(copy)
+            if not deferred:
+                self._sync(transfer)
+            check()
+        except BaseException:
+            if deferred:  # the caller releases the buffers: no queued copy may still fill them
+                self._sync(transfer)
+            raise
 
     def prefetch(
         self, chunks: Sequence[ChunkTransfer], stream: Any, groups: Sequence[range] = ()

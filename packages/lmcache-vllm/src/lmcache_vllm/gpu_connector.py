@@ -280,6 +280,14 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, LayerRangeConnector):
                 start += n
         self._sync(transfer)
 
+    def prepare_store(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> Any:
+        """On the fused CUDA path, plan a later :meth:`from_gpu` of ``chunks`` now (before the
+        step has written their KV): the staging layout, the host copies and the slot indices
+        (uploaded on ``transfer.stream``, which the copy must use too). Else ``None``."""
+        if self._kt_v_blocks or not self._fused_any or not chunks:
+            return None
+        return self._fused_prepare(chunks, transfer)
+
     def _to(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
         if self._kt_v_blocks:
             self._kt_v_to(layers, chunks, transfer)

@@ -269,3 +269,95 @@ def test_prefetched_chunks_load_like_host_chunks(alloc, monkeypatch):
     torch.cuda.synchronize()
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+
+
+@pytest.mark.parametrize("alloc", ["one-buffer", "per-layer"])
+def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, monkeypatch):
+    """``prepare_store`` plans a store and uploads its slot indices ahead (on the store stream,
+    before the KV exists); the deferred ``from_gpu`` given that plan then builds no indices,
+    reads the pages as they are when it runs (written after the prepare, on the compute
+    stream) and matches the token-level path bit for bit. A plan made for another chunk list
+    is ignored, not misused; a layerwise store's per-layer copies reuse its indices."""
+    from lmcache.config import LMCacheConfig
+    from lmcache.gpu_connector import ChunkTransfer, TransferSpec
+    from lmcache.memory.pinned_pool import HostMemoryPool
+    from lmcache.metadata import LMCacheMetadata
+
+    L, H, D, P, CS, NB, N = 4, 8, 128, 16, 256, 128, 900
+    md = LMCacheMetadata(
+        model_name="m", world_size=1, worker_id=0, local_worker_id=0, local_world_size=1,
+        kv_dtype=torch.bfloat16, num_layers=L, num_kv_heads=H, head_size_k=D, head_size_v=D,
+        chunk_size=CS,
+    )  # fmt: skip
+    phys = torch.zeros(L, NB, P, H, 2 * D, device="cuda", dtype=torch.bfloat16)
+    views = [phys[i].permute(0, 2, 1, 3) for i in range(L)]
+    if alloc == "per-layer":
+        views = [v.permute(0, 2, 1, 3).clone().permute(0, 2, 1, 3) for v in views]
+
+    def conn(fused=True):
+        c = VLLMPagedConnector(
+            LMCacheConfig(chunk_size=CS), md, EngineInfo("vllm", "cuda", views, {"block_size": P})
+        )
+        if not fused:
+            c._fused = c._fused_layers = None
+        return c
+
+    fast, ref = conn(), conn(fused=False)
+    pool = HostMemoryPool(128 << 20)
+    ranges = [(s, min(s + CS, N)) for s in range(0, N, CS)]
+    slots = ((torch.randperm(NB - 1)[: -(-N // P)] + 1)[:, None] * P + torch.arange(P)).reshape(-1)
+    slots = slots[:N]
+    store = torch.cuda.Stream()
+
+    def leased():
+        leases = [pool.allocate(fast.chunk_shape(e - s), torch.bfloat16) for s, e in ranges]
+        return leases, [ChunkTransfer(s, e, x.tensor) for (s, e), x in zip(ranges, leases, strict=True)]  # fmt: skip
+
+    leases, chunks = leased()
+    spec = TransferSpec(slots, stream=store, deferred=True)
+    with torch.cuda.stream(store):
+        prepared = fast.prepare_store(chunks, spec)
+    assert prepared is not None
+    torch.cuda._sleep(50_000_000)  # the step's forward, still running ...
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for v in views:  # ... writes the KV (every bit pattern, NaNs too)
+        v.copy_(torch.randint(-32768, 32767, v.shape, device="cuda", generator=g).to(torch.int16).view(torch.bfloat16))  # fmt: skip
+    ready = torch.cuda.Event()
+    ready.record()
+    built = []
+    real = type(fast)._fused_indices
+    monkeypatch.setattr(
+        type(fast), "_fused_indices", lambda self, *a: (built.append(1), real(self, *a))[1]
+    )
+    store.wait_event(ready)
+    with torch.cuda.stream(store):
+        fast.from_gpu(chunks, TransferSpec(slots, stream=store, deferred=True, prepared=prepared))
+    store.synchronize()
+    assert built == []  # the prepared indices were used
+    refs = [torch.empty(fast.chunk_shape(e - s), dtype=torch.bfloat16) for s, e in ranges]
+    ref.from_gpu([ChunkTransfer(s, e, x) for (s, e), x in zip(ranges, refs, strict=True)],
+                 TransferSpec(slots))  # fmt: skip
+    for x, y in zip(leases, refs, strict=True):
+        assert torch.equal(x.tensor.view(torch.int16), y.view(torch.int16))
+
+    other, other_chunks = leased()  # a plan of another chunk list: planned again, still exact
+    with torch.cuda.stream(store):
+        fast.from_gpu(other_chunks, TransferSpec(slots, stream=store, prepared=prepared))
+    assert built == [1]
+    for x, y in zip(other, refs, strict=True):
+        assert torch.equal(x.tensor.view(torch.int16), y.view(torch.int16))
+
+    # layerwise: one prepare for the store, its indices reused by every layer's copy
+    per_layer, layer_chunks = leased()
+    built.clear()
+    spec = TransferSpec(slots, stream=store, deferred=True)
+    with torch.cuda.stream(store):
+        spec = TransferSpec(slots, stream=store, prepared=fast.prepare_store(layer_chunks, spec))
+        assert built == [1]
+        for layer in range(L):
+            fast.from_gpu_layer(layer, list(layer_chunks), spec)
+    assert built == [1]
+    for x, y in zip(per_layer, refs, strict=True):
+        assert torch.equal(x.tensor.view(torch.int16), y.view(torch.int16))
+    for x in leases + other + per_layer:
+        x.release()

@@ -399,3 +399,40 @@ def test_a_strided_run_is_one_runtime_call_with_both_pitches(monkeypatch):
             ft._memcpy_2d(run, staging, False, stream)
         monkeypatch.setattr(ft, "_cudart", lambda: None)
         assert not ft._memcpy_2d(run, staging, False, stream)
+
+
+def test_a_plain_run_is_one_runtime_call(monkeypatch):
+    """``_memcpy_1d`` hands the CUDA runtime one ``cudaMemcpyAsync`` per contiguous run (chunks
+    back to back in the pool merge into one): destination, source, bytes, direction, stream; a
+    runtime error is raised with the runtime's message; without the runtime the caller copies
+    through torch. (A recorded runtime: the real one moves these bytes in the CUDA tests.)"""
+    from types import SimpleNamespace
+
+    from lmcache_vllm import fused_transfer as ft
+
+    md = _md("lbnhc")
+    conn = _conn("lbnhc", md, _caches("lbnhc", md, "cpu", 16), True)
+    rng = [(0, 8), (8, 16), (16, 20)]
+    calls: list[tuple[int, ...]] = []
+    lib = SimpleNamespace(
+        rc=0,
+        cudaMemcpyAsync=lambda *a: (calls.append(a), lib.rc)[1],
+        cudaGetErrorString=lambda rc: b"invalid argument",
+    )
+    monkeypatch.setattr(ft, "_cudart", lambda: lib)
+    with _buffers(conn, rng, "adjacent") as bufs:
+        chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, bufs, strict=True)]
+        plan = conn._plan(range(LAYERS), chunks, 0, 0)
+        (run,) = plan.runs  # back to back: one run of all three chunks
+        assert run.rows == 1 and run.count == 3 and run.contiguous
+        assert run.nbytes == sum(t.numel() * t.element_size() for t in bufs)
+        stream = SimpleNamespace(cuda_stream=99)
+        host, dev = bufs[0].data_ptr(), 1 << 40
+        assert ft._memcpy_1d(run, dev, True, stream)
+        assert ft._memcpy_1d(run, dev, False, stream)
+        assert calls == [(host, dev, run.nbytes, 2, 99), (dev, host, run.nbytes, 1, 99)]
+        lib.rc = 1
+        with pytest.raises(RuntimeError, match=r"of \d+ bytes failed: invalid argument"):
+            ft._memcpy_1d(run, dev, True, stream)
+        monkeypatch.setattr(ft, "_cudart", lambda: None)
+        assert not ft._memcpy_1d(run, dev, True, stream)
