@@ -59,7 +59,7 @@ from lmcache_vllm.transfer_plan import load_outcome, load_plan, skip_mask, slot_
 from lmcache_vllm.worker_layerwise import LayerwiseStep, PendingSave, layer_groups
 
 if TYPE_CHECKING:
-    from lmcache.cache_engine import LayerwiseRetrieve
+    from lmcache.cache_engine import LayerwiseRetrieve, PlannedStore
     from lmcache.held_hit import HeldHit
 
 __all__ = ["SECOND_ENGINE_ERROR", "WorkerSide"]
@@ -73,6 +73,20 @@ SECOND_ENGINE_ERROR = (
     "pages). Run one engine per process: shut the first engine down before creating the next, "
     "or use vLLM's default multiprocess mode (do not set VLLM_ENABLE_V1_MULTIPROCESSING=0)."
 )
+
+
+@dataclasses.dataclass(eq=False)
+class _PlannedSave:
+    """One request's batched save this step: planned on the copy thread at bind, copied after
+    ``wait_for_save``. ``job``: its :class:`UnpublishedSaves` id; ``dropped``: failed or
+    abandoned (that id is done)."""
+
+    req: ReqMeta
+    tokens: list[int]
+    job: int
+    spec: TransferSpec | None = None
+    planned: PlannedStore | None = None
+    dropped: bool = False
 
 
 class WorkerSide:
@@ -121,6 +135,7 @@ class WorkerSide:
         self._prefetching = 0  # bytes of device copies of hits made ahead of their load
         self._bound: Any = None  # the metadata bind() last ran for
         self._held = HeldHits()
+        self._planned: dict[str, _PlannedSave] = {}  # this step's saves, planned at bind
         self._saves = SaveQueue(f"lmcache-save-rank{rank}")
         self._unpublished = UnpublishedSaves(self.chunk_size)
 
@@ -259,8 +274,10 @@ class WorkerSide:
         if self._layerwise is not None:
             self._layerwise.finish()
         self._fence()
+        self._drop_planned()
         if not isinstance(meta, LMCacheConnectorMetadata):
             return
+        self._plan_saves(meta)
         self._held.release(meta.preempted)
         expired = self._held.expire()
         if expired:
@@ -268,7 +285,14 @@ class WorkerSide:
                 self._stats.expired_leases += expired
 
     def handle_preemptions(self, meta: Any) -> None:
-        """Preempted requests' blocks are about to be reused: no save may still read them."""
+        """Preempted requests' blocks are about to be reused: no save may still read them.
+
+        vLLM calls this first thing in every step, before preparing the step's inputs; with
+        nothing preempted it returns at once (the step's :meth:`bind`, right before the
+        forward, orders the step's writes after the saves' reads: fencing here as well would
+        make the step wait for the last step's copies to be enqueued that much earlier)."""
+        if isinstance(meta, LMCacheConnectorMetadata) and not meta.preempted:
+            return
         self._fence()
 
     def _fence(self) -> None:
@@ -409,11 +433,11 @@ class WorkerSide:
                     engine.store_layerwise,
                     tokens,
                     self._mask(len(tokens), req.save.skip),
-                    TransferSpec(self._slot_mapping(req, len(tokens))),
                     salt=req.salt,
                     extra_keys=req.extra_keys or None,
                 )  # leases its buffers on the save thread, not in the forward
-                saves.append(PendingSave(req, begin, self._save_done(req.salt, tokens)))
+                slots = self._slot_mapping(req, len(tokens))
+                saves.append(PendingSave(req, slots, begin, self._save_done(req.salt, tokens)))
             lw.start_saves(saves)
         lw.save_layer(layer)
 
@@ -435,51 +459,102 @@ class WorkerSide:
             self._stats.num_saves += 1
             self._stats.save_seconds += seconds
 
+    def _plan_saves(self, meta: LMCacheConnectorMetadata) -> None:
+        """Batched mode: queue the host side of this step's saves (chunk keys, host buffers,
+        the connector's plan) on the copy thread now, while the step computes their KV, so
+        that after the step only the copies themselves are left to enqueue."""
+        engine = self.lmcache_engine
+        if engine is None or self.config.use_layerwise:
+            return
+        for req in meta.requests:
+            if req.save is None:
+                continue
+            tokens = req.token_ids[: req.save.end]
+            save = _PlannedSave(req, tokens, self._unpublished.add(req.salt, tokens))
+            self._planned[req.req_id] = save
+            self._saves.submit(req.req_id, partial(self._plan_job, engine, save))
+
+    def _plan_job(self, engine: LMCacheEngine, save: _PlannedSave) -> None:
+        """Copy thread: plan ``save`` (see :meth:`_plan_saves`); a failure drops the save."""
+        req = save.req
+        assert req.save is not None
+        try:
+            mask = self._mask(len(save.tokens), req.save.skip)
+            slots = self._slot_mapping(req, len(save.tokens))
+            extra = req.extra_keys or None
+            stream = self._store_stream()
+            if stream is None:
+                save.spec = TransferSpec(slots)
+                save.planned = engine.plan_store(
+                    save.tokens, mask, save.spec, salt=req.salt, extra_keys=extra
+                )
+            else:
+                save.spec = TransferSpec(slots, stream=stream, deferred=True)
+                with torch.cuda.stream(stream):  # the indices' upload goes where the copy will
+                    save.planned = engine.plan_store(
+                        save.tokens, mask, save.spec, salt=req.salt, extra_keys=extra
+                    )
+        except BaseException:
+            self._unpublished.done(save.job)
+            save.dropped = True
+            raise
+
+    def _store_stream(self) -> Any:
+        """The worker's one store stream (CUDA caches), else ``None``."""
+        if self._layerwise is None or not self._registered or not self._registered[0].is_cuda:
+            return None
+        return self._layerwise.store_stream
+
+    def _drop_planned(self) -> None:
+        """Saves planned at the last bind whose ``wait_for_save`` never came: release their
+        buffers (on the copy thread, after their plan jobs)."""
+        if not self._planned:
+            return
+        for req_id, save in self._planned.items():
+            self._saves.submit(req_id, partial(self._drop_job, save))
+        self._planned = {}
+
+    def _drop_job(self, save: _PlannedSave) -> None:
+        if save.planned is not None:
+            save.planned.abort()
+        if not save.dropped:
+            save.dropped = True
+            self._unpublished.done(save.job)
+
     def wait_for_save(self) -> None:
-        """Queue every request's save of newly computed tokens and return at once; finish
+        """Queue the copies of this step's saves (planned at bind) and return at once; finish
         this step's enqueued loads (their leases go, failed ones become load errors)."""
         if self._layerwise is not None:
             self._layerwise.finish()  # layerwise: queues this step's commits
         if self.config.use_layerwise:
             return
-        meta = self._meta()
-        engine = self.lmcache_engine
-        if meta is None or engine is None:
+        planned, self._planned = self._planned, {}
+        if not planned:
             return
         ready = None
-        for req in meta.requests:
-            if req.save is None:
-                continue
-            if ready is None and self._registered and self._registered[0].is_cuda:
-                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                ready.record(torch.cuda.current_stream(self._registered[0].device))
+        if self._store_stream() is not None:
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record(torch.cuda.current_stream(self._registered[0].device))
+        for req_id, save in planned.items():
             fence = ReadFence()
-            self._saves.submit(req.req_id, self._save_job(engine, req, ready, fence), fence)
+            self._saves.submit(req_id, self._save_job(save, ready, fence), fence)
 
-    def _save_job(
-        self, engine: LMCacheEngine, req: ReqMeta, ready: Any, fence: ReadFence
-    ) -> CopyJob:
-        """The copy job of ``req``'s save (on CUDA it releases ``fence`` once vLLM's pages are
+    def _save_job(self, save: _PlannedSave, ready: Any, fence: ReadFence) -> CopyJob:
+        """The copy job of a planned save (on CUDA it releases ``fence`` once vLLM's pages are
         read and returns before the bytes reach the host); it returns the commit job."""
-        assert req.save is not None
-        tokens = req.token_ids[: req.save.end]
-        mask = self._mask(len(tokens), req.save.skip)
-        slots = self._slot_mapping(req, len(tokens))
-        extra = req.extra_keys or None
-        job = self._unpublished.add(req.salt, tokens)
 
-        def _copy() -> CommitJob:
+        def _copy() -> CommitJob | None:
+            planned, spec = save.planned, save.spec
+            if planned is None or spec is None or save.dropped:
+                return None  # its plan failed (logged): nothing to copy
             started = time.perf_counter()
             copied: Any = None  # CUDA: the event after the copy to the host
             try:
                 with self._xfer_lock:
                     if ready is None:
-                        staged = engine.copy_out(
-                            tokens, mask, TransferSpec(slots), salt=req.salt, extra_keys=extra
-                        )
+                        staged = planned.copy_out(spec)
                     else:
-                        assert self._layerwise is not None
-                        stream = self._layerwise.store_stream  # the worker's one store stream
+                        stream = spec.stream
                         stream.wait_event(ready)  # after the step that wrote this KV
 
                         def _read() -> None:  # the gather is enqueued: pages may change after
@@ -488,11 +563,8 @@ class WorkerSide:
                             fence.release(event)
 
                         with torch.cuda.stream(stream):
-                            transfer = TransferSpec(
-                                slots, stream=stream, deferred=True, on_engine_read=_read
-                            )
-                            staged = engine.copy_out(
-                                tokens, mask, transfer, salt=req.salt, extra_keys=extra
+                            staged = planned.copy_out(
+                                dataclasses.replace(spec, on_engine_read=_read)
                             )
                             # blocking: the commit thread sleeps on it (a spinning wait
                             # would poll the driver, and burn a core, for a whole forward)
@@ -500,7 +572,8 @@ class WorkerSide:
                             copied.record(stream)
                         fence.release(copied)  # no-op when _read ran
             except BaseException:
-                self._unpublished.done(job)
+                save.dropped = True
+                self._unpublished.done(save.job)
                 raise
 
             def _commit() -> None:
@@ -513,7 +586,7 @@ class WorkerSide:
                             raise
                     stored = staged.commit()
                 finally:
-                    self._unpublished.done(job)
+                    self._unpublished.done(save.job)
                 self._count_save(stored, time.perf_counter() - started)
 
             return _commit
@@ -549,6 +622,9 @@ class WorkerSide:
         """Finish queued saves, stop the lookup server, release every lease."""
         if not self._saves.close(timeout=60.0):
             logger.warning("lmcache: saves still running at shutdown; their chunks are dropped")
+        for save in self._planned.values():  # planned for a step that never ended
+            self._drop_job(save)
+        self._planned = {}
         if self._lookup_server is not None:
             self._lookup_server.close()
             self._lookup_server = None

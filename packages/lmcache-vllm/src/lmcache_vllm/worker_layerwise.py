@@ -16,9 +16,12 @@ With ``use_layerwise``:
   soon as its copy is in. On the CPU the copies run in ``start_load_kv``.
 - **Saves are queued.** ``save_kv_layer(i)`` records an event after layer ``i``'s compute (CUDA)
   and queues the copy of that layer on the :class:`~lmcache_vllm.save_queue.SaveQueue`'s copy
-  thread (on a store stream that waits for the event), returning at once; the step's end queues
-  the commit (checksum, publish). Chunks of a layerwise save become visible only then. The next
-  step's fence (``bind_connector_metadata``) waits for the copies, as for batched saves.
+  thread, returning at once. On CUDA the copy thread only *enqueues* it (on a store stream that
+  waits for the event) and releases the layer's read fence as soon as its gather is enqueued,
+  as for batched saves: the next step's ``bind_connector_metadata`` never waits on the host for
+  a layer's bytes to reach the host. The step's end queues the commit, which sleeps until the
+  last layer's copy is on the host, then checksums and publishes: chunks of a layerwise save
+  become visible only then.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmcache.gpu_connector import TransferSpec
 from lmcache_vllm.connector_metadata import ReqMeta
-from lmcache_vllm.save_queue import CommitJob, SaveQueue
+from lmcache_vllm.save_queue import CommitJob, ReadFence, SaveQueue
 
 if TYPE_CHECKING:
     from lmcache.cache_engine import HeldHit, LayerwiseRetrieve, LayerwiseStore
@@ -63,22 +67,27 @@ class PendingSave:
 
     Args:
         req: The request.
-        begin: Starts the store (``LMCacheEngine.store_layerwise``: plans and leases buffers);
-            called by the first layer's copy job, on the save thread.
+        slots: The request's slot mapping (host, int64) over the tokens stored.
+        begin: Starts the store given its transfer (``LMCacheEngine.store_layerwise`` with
+            every other argument bound: plans and leases buffers); called by the first layer's
+            copy job, on the save thread.
         on_done: Called once with the tokens stored, or ``None`` when the save failed.
     """
 
     def __init__(
         self,
         req: ReqMeta,
-        begin: Callable[[], LayerwiseStore],
+        slots: torch.Tensor,
+        begin: Callable[..., LayerwiseStore],
         on_done: Callable[[int | None], None],
     ) -> None:
         self.req = req
+        self.slots = slots
         self.begin = begin
         self.storer: LayerwiseStore | None = None
         self.on_done = on_done
         self.failed = False
+        self.fence: ReadFence | None = None  # of the layer being copied (CUDA)
 
 
 class LayerwiseStep:
@@ -183,29 +192,60 @@ class LayerwiseStep:
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(torch.cuda.current_stream(self._device))
         for save in self._saving:
-            self._saves.submit(save.req.req_id, self._copy_job(save, layer, ready))
+            fence = ReadFence()
+            self._saves.submit(save.req.req_id, self._copy_job(save, layer, ready, fence), fence)
 
-    def _copy_job(self, save: PendingSave, layer: int, ready: Any) -> Callable[[], None]:
+    def _transfer(self, save: PendingSave) -> TransferSpec:
+        """How ``save`` copies: on CUDA deferred on the store stream (the copy thread does not
+        wait for the bytes), each layer's fence released once its gather is enqueued."""
+        if not self._cuda:
+            return TransferSpec(save.slots)
+        stream = self.store_stream
+
+        def _read() -> None:
+            fence = save.fence
+            if fence is not None:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+                fence.release(event)
+
+        return TransferSpec(save.slots, stream=stream, deferred=True, on_engine_read=_read)
+
+    def _copy_job(
+        self, save: PendingSave, layer: int, ready: Any, fence: ReadFence
+    ) -> Callable[[], None]:
         def _copy() -> None:
             if save.failed:
                 return
             try:
                 if save.storer is None:
-                    save.storer = save.begin()
+                    save.storer = save.begin(transfer=self._transfer(save))
                 storer = save.storer
                 with self._lock:
                     if ready is None:
                         storer.store_layer(layer)
                     else:
                         self.store_stream.wait_event(ready)
+                        save.fence = fence
                         with torch.cuda.stream(self.store_stream):
                             storer.store_layer(layer)
+                            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                            done.record(self.store_stream)
+                        fence.release(done)  # no-op when the gather released it
             except BaseException:
                 save.failed = True
+                self._drop(save)
                 save.on_done(None)
                 raise
 
         return _copy
+
+    def _drop(self, save: PendingSave) -> None:
+        """Release ``save``'s buffers once no queued copy writes them any more."""
+        if save.storer is not None:
+            if self._cuda:
+                self.store_stream.synchronize()
+            save.storer.abort()
 
     def _commit_job(self, save: PendingSave) -> Callable[[], CommitJob | None]:
         def _queue_commit() -> CommitJob | None:
@@ -214,9 +254,19 @@ class LayerwiseStep:
                 if not save.failed:
                     save.on_done(None)  # no layer was ever saved (the forward skipped us)
                 return None
+            copied: Any = None
+            if self._cuda:  # after the last layer's copy to the host; the commit sleeps on it
+                copied = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+                copied.record(self.store_stream)
 
             def _commit() -> None:
                 try:
+                    if copied is not None:
+                        try:
+                            copied.synchronize()
+                        except BaseException:
+                            storer.abort()
+                            raise
                     stored = storer.finish()
                 except BaseException:
                     save.on_done(None)
@@ -258,8 +308,7 @@ class LayerwiseStep:
                 held.release()
         for save in self._saving:
             save.failed = True
-            if save.storer is not None:
-                save.storer.abort()
+            self._drop(save)
             save.on_done(None)
         self._loads, self._saving = [], []
         self._layer_ready.clear()

@@ -203,6 +203,90 @@ def test_lookup_right_after_a_save_waits_for_it(rig):
     assert rig.scheduler.get_num_new_matched_tokens(_request("again", a), 0) == PROMPT - BLOCK
 
 
+def test_a_save_stores_the_kv_the_step_wrote_after_it_was_planned(rig):
+    """Batched saves are planned (keys, buffers, the connector's plan) when the step binds, on
+    the save thread, while the step computes; what is stored is what the forward wrote into the
+    pages, never what they held when the plan ran."""
+    a = _prompt(50)
+    blocks = rig.blocks(PROMPT)
+    for c in rig.caches.values():
+        c[blocks] = 7.0  # the pages before the forward
+    rig.meta = LMCacheConnectorMetadata(
+        requests=[ReqMeta("w", a, blocks, save=SaveSpec(skip=0, end=PROMPT))]
+    )
+    rig.worker.bind(rig.meta)
+    rig.worker.start_load_kv()
+    assert rig.worker._saves.wait(timeout=30)  # the plan ran, long before the KV exists
+    pool = rig.worker.lmcache_engine.pool
+    assert pool.used_bytes == (0 if rig.worker.config.use_layerwise else 4 * CHUNK_BYTES)
+    for name, c in rig.caches.items():  # the forward writes each layer's KV
+        rig.worker.wait_for_layer_load(name)
+        c[blocks] = torch.randn_like(c[blocks])
+        rig.worker.save_kv_layer(name)
+    written = rig.pages(blocks).clone()
+    rig.worker.wait_for_save()
+    assert rig.worker._saves.wait(timeout=30)
+
+    dst = rig.blocks(PROMPT)
+    for c in rig.caches.values():
+        c[dst] = float("nan")
+    promised = rig.scheduler.get_num_new_matched_tokens(_request("r", a), 0)
+    assert promised == PROMPT - BLOCK
+    rig.step(ReqMeta("r", a, dst, load=LoadSpec(0, PROMPT, promised)))
+    if rig.caches[next(iter(rig.caches))].is_cuda:
+        torch.cuda.synchronize()
+    assert rig.worker.get_block_ids_with_load_errors() == set()
+    full = promised // BLOCK
+    got = rig.pages(dst)[:, :full]
+    assert torch.equal(got.view(torch.int32), written[:, :full].view(torch.int32))
+
+
+def test_a_step_that_never_ends_leaves_no_planned_save_behind(rig):
+    """A step bound but never finished (no ``wait_for_save``): the next bind drops its planned
+    saves (buffers back to the pool, nothing visible) and a lookup of that prompt does not wait
+    for a save that will never come; shutdown drops them too."""
+    import time
+
+    a = _prompt(60)
+    pool = rig.worker.lmcache_engine.pool
+    rig.meta = LMCacheConnectorMetadata(
+        requests=[ReqMeta("w", a, rig.blocks(PROMPT), save=SaveSpec(skip=0, end=PROMPT))]
+    )
+    rig.worker.bind(rig.meta)
+    rig.meta = LMCacheConnectorMetadata()
+    rig.worker.bind(rig.meta)  # the next step; the last one never called wait_for_save
+    assert rig.worker._saves.wait(timeout=30)
+    assert pool.used_bytes == 0 and rig.worker.lmcache_engine.lookup(a) == 0
+    t = time.perf_counter()
+    assert rig.scheduler.get_num_new_matched_tokens(_request("r", a), 0) == 0
+    assert time.perf_counter() - t < 0.4  # no wait for an unpublished save
+
+    rig.meta = LMCacheConnectorMetadata(
+        requests=[ReqMeta("w2", _prompt(61), rig.blocks(PROMPT), save=SaveSpec(0, PROMPT))]
+    )
+    rig.worker.bind(rig.meta)
+    rig.worker.shutdown()
+    assert pool.used_bytes == 0
+
+
+def test_handle_preemptions_waits_for_queued_copies_only_when_something_was_preempted(rig):
+    """vLLM calls ``handle_preemptions`` at the start of every step: with nothing preempted it
+    must not wait for the copy thread (the step's bind fences the forward's writes); with a
+    preempted request it waits until every queued copy has read its pages."""
+    import threading
+    import time
+
+    gate = threading.Event()
+    rig.worker._saves.submit("slow", lambda: (gate.wait(5), None)[1])  # a copy still reading
+    t = time.perf_counter()
+    rig.worker.handle_preemptions(LMCacheConnectorMetadata())
+    assert time.perf_counter() - t < 0.2 and not gate.is_set()
+    threading.Timer(0.3, gate.set).start()
+    t = time.perf_counter()
+    rig.worker.handle_preemptions(LMCacheConnectorMetadata(preempted=["p"]))
+    assert gate.is_set() and time.perf_counter() - t >= 0.25
+
+
 @pytest.mark.gpu
 def test_next_step_rewrites_saved_pages_only_after_the_save_read_them(tmp_path):
     """CUDA: the step after a save waits for the save's gather on the device, not on the host.
