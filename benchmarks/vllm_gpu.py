@@ -93,8 +93,9 @@ class _Profile:
     each phase, CPU seconds per thread (who competes with vLLM's thread for the GIL), and per
     request the save jobs (copy / commit threads) that ran inside its TTFT window."""
 
-    def __init__(self, out: Path | None) -> None:
+    def __init__(self, out: Path | None, cprofile: bool = True) -> None:
         self.out = out
+        self.cprofile = cprofile
         self.phase = ""
         self.hooks: dict[tuple[str, str], list[float]] = {}
         self.rows: list[str] = []
@@ -179,7 +180,8 @@ class _Profile:
         cpu0 = _thread_cpu()
         prof = cProfile.Profile()
         t = time.perf_counter()
-        prof.enable()
+        if self.cprofile:
+            prof.enable()
         try:
             return fn()
         finally:
@@ -199,13 +201,14 @@ class _Profile:
                 if ph == label:
                     self.rows.append(f"  {name:<48} {1e3 * sec:9.1f} ms  {calls:6d} calls")
             self._overlaps(label)
-            path = self.out / f"{label}.txt"
-            with path.open("w") as f:
-                stats = pstats.Stats(prof, stream=f)
-                stats.sort_stats("tottime").print_stats(40)
-                stats.sort_stats("cumulative").print_stats(60)
-            if label.startswith("lmcache"):
-                prof.dump_stats(str(self.out / f"{label}.prof"))
+            if self.cprofile:
+                path = self.out / f"{label}.txt"
+                with path.open("w") as f:
+                    stats = pstats.Stats(prof, stream=f)
+                    stats.sort_stats("tottime").print_stats(40)
+                    stats.sort_stats("cumulative").print_stats(60)
+                if label.startswith("lmcache"):
+                    prof.dump_stats(str(self.out / f"{label}.prof"))
 
     def report(self) -> None:
         for row in self.rows:
@@ -323,6 +326,12 @@ def main() -> None:
         "machine), lmcache (the default again), no-save (kv_role kv_consumer: lookups only)",
     )
     parser.add_argument("--cold-reps", type=int, default=15)
+    parser.add_argument(
+        "--no-cprofile",
+        action="store_true",
+        help="with --profile: only the hook times, save jobs and thread CPU (cProfile sees "
+        "every thread and slows lmcache's Python several times over)",
+    )
     args = parser.parse_args()
     if args.sync_saves:
         from lmcache_vllm.save_queue import SaveQueue
@@ -372,7 +381,7 @@ def main() -> None:
         f"Llama-3-8B attention (32 q / 8 kv heads of 128), bf16, prompt {args.tokens} tokens"
     )
 
-    prof = _Profile(args.profile)
+    prof = _Profile(args.profile, cprofile=not args.no_cprofile)
     base_llm = _engine(model, None, max_len)
     try:
         base = _measure(base_llm, prompts, batches, prof, "base")

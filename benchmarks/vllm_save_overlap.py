@@ -14,7 +14,8 @@ Llama-8B geometry (32 layers, 8 KV heads of 128, bf16, 16-token pages, shuffled)
   copy out of vLLM's pages, after ``--step-ms`` of simulated compute (the GPU busy with matmuls);
 - ``visible after``: from ``wait_for_save`` until the chunks are checksummed and visible;
 - ``layerwise store``: host time of the ``save_kv_layer`` hooks + ``wait_for_save`` in layerwise
-  mode, summed over the layers;
+  mode, summed over the layers; ``lw next step waits``: as ``next step waits``, after a
+  layerwise save;
 - ``batched load`` / ``layerwise load``: a hit of the whole request, from the worker's lookup
   (what vLLM's scheduler calls first: it leases the hit and starts copying it to the device)
   until every layer is in vLLM's pages (layerwise: every layer is enqueued at ``start_load_kv``
@@ -211,15 +212,20 @@ def run(n: int, reps: int, step_ms: float, checksum: bool) -> dict[str, float | 
     # loads of a hit, batched and layerwise: from the lookup (vLLM's path: the lookup leases
     # the hit and starts its copy to the device) or from start_load_kv alone (no lease)
     load_ms: dict[tuple[bool, bool], list[float]] = {}
-    layer_ms = []
+    layer_ms, layer_fence = [], []
     for layerwise in (False, True):
         lb = Bench(num_blocks, layerwise=layerwise, checksum=checksum)
         for i in range(reps):
             tokens, blocks = lb.request(n, 5000 + i)
+            if layerwise:
+                lb.busy(step_ms)
             save_ms, _ = lb.step(ReqMeta(f"l{i}", tokens, blocks, save=SaveSpec(0, n)))
             if layerwise:
                 layer_ms.append(save_ms)
-            lb.step()
+                lb.busy(step_ms)
+            _, bind_ms = lb.step()
+            if layerwise:
+                layer_fence.append(bind_ms)
             lb.worker._saves.wait(60)
             for lookup in (True, False):
                 load_ms.setdefault((layerwise, lookup), []).append(
@@ -235,6 +241,7 @@ def run(n: int, reps: int, step_ms: float, checksum: bool) -> dict[str, float | 
         "fence_ms": _median(fence),
         "visible_ms": _median(visible),
         "layerwise_ms": _median(layer_ms),
+        "layerwise_fence_ms": _median(layer_fence),
         "load_ms": _median(load_ms[False, True]),
         "lw_load_ms": _median(load_ms[True, True]),
         "load_nolease_ms": _median(load_ms[False, False]),
@@ -273,7 +280,7 @@ def main() -> None:
     print(
         f"{'tokens':>7} {'MiB':>7} {'d2h ceil ms':>11} {'sync store ms':>13} "
         f"{'wait_for_save ms':>16} {'next step waits ms':>18} {'visible after ms':>16} "
-        f"{'layerwise store ms':>18} {'batched load ms':>15} {'layerwise load ms':>17} "
+        f"{'layerwise store ms':>18} {'lw next step waits ms':>21} {'batched load ms':>15} {'layerwise load ms':>17} "
         f"{'no lease: batched ms':>20} {'layerwise ms':>12} {'bit-exact':>9}"
     )
     for n in args.tokens:
@@ -281,7 +288,7 @@ def main() -> None:
         print(
             f"{r['n']:>7} {r['mib']:>7.0f} {r['ceil_ms']:>11.1f} {r['sync_ms']:>13.1f} "
             f"{r['hook_ms']:>16.2f} {r['fence_ms']:>18.2f} {r['visible_ms']:>16.1f} "
-            f"{r['layerwise_ms']:>18.2f} {r['load_ms']:>15.2f} {r['lw_load_ms']:>17.2f} "
+            f"{r['layerwise_ms']:>18.2f} {r['layerwise_fence_ms']:>21.2f} {r['load_ms']:>15.2f} {r['lw_load_ms']:>17.2f} "
             f"{r['load_nolease_ms']:>20.2f} {r['lw_load_nolease_ms']:>12.2f} "
             f"{'yes' if r['exact'] else 'NO':>9}"
         )
