@@ -66,6 +66,7 @@ from lmcache.layerwise import (
     Pending,
     PlannedStore,
     StagedStore,
+    StoreBatch,
     release_all,
 )
 from lmcache.memory import HostMemoryPool, LeaseError, MemoryLease
@@ -85,6 +86,7 @@ __all__ = [
     "LayerwiseStore",
     "PlannedStore",
     "StagedStore",
+    "StoreBatch",
     "Tokens",
 ]
 
@@ -503,10 +505,12 @@ class LMCacheEngine:
         *,
         salt: str = "",
         extra_keys: ExtraKeys | None = None,
+        prepare: bool = True,
     ) -> PlannedStore:
         """The host-side part of :meth:`copy_out`, before anything is read from the engine:
         choose the chunks to store, lease their buffers and let the connector plan the copy
-        (:meth:`~lmcache.gpu_connector.GPUConnectorInterface.prepare_store`).
+        (:meth:`~lmcache.gpu_connector.GPUConnectorInterface.prepare_store`; not with
+        ``prepare=False``, for a store that :meth:`batch_stores` will copy with others).
 
         Call it while the engine computes the KV (it does not read the engine's memory), then
         ``.copy_out()`` once the KV is written; ``.abort()`` if it will not be. Arguments and
@@ -517,10 +521,32 @@ class LMCacheEngine:
         plan = self._plan(tokens, mask, transfer, salt, extra_keys)
         pending = self._allocate_store(plan)
         try:
-            return PlannedStore(self, connector, pending, plan.keys, transfer, started)
+            return PlannedStore(
+                self, connector, pending, plan.keys, transfer, started, prepare=prepare
+            )
         except BaseException:
             release_all(pending)
             raise
+
+    def batch_stores(
+        self, stores: Sequence[PlannedStore], transfer: TransferSpec | None = None
+    ) -> StoreBatch:
+        """Several stores planned with ``plan_store(..., prepare=False)``, to copy in one
+        connector call (:class:`~lmcache.layerwise.StoreBatch`): one gather and one set of
+        DMAs for all of a step's requests instead of one per request.
+
+        Args:
+            stores: The planned stores (the batch owns them from now on).
+            transfer: The stream and ``deferred`` flag the copy will use (for the connector's
+                planning; the slot mapping is ignored).
+
+        Raises:
+            ValueError: a store was prepared, copied or aborted already, or is another
+                engine's. Connector errors of the planning are raised (the stores stay
+                planned: abort them).
+        """
+        spec = transfer if transfer is not None else TransferSpec(torch.empty(0, dtype=torch.long))
+        return StoreBatch(self._connector("store"), stores, spec)
 
     def retrieve(
         self,

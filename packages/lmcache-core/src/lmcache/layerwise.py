@@ -9,7 +9,8 @@ and return one of these plain objects; the caller drives it layer by layer, in o
 
 A batched store can be split the same way: :class:`PlannedStore` (keys, leases and the
 connector's planning, before the engine has computed the KV), then :class:`StagedStore` (the
-bytes copied, not yet visible), then ``commit()``.
+bytes copied, not yet visible), then ``commit()``. :class:`StoreBatch` copies several planned
+stores in one connector call.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "Pending",
     "PlannedStore",
     "StagedStore",
+    "StoreBatch",
     "release_all",
 ]
 
@@ -124,6 +126,8 @@ class PlannedStore:
         chain: Sequence[bytes],
         transfer: TransferSpec,
         started: float,
+        *,
+        prepare: bool = True,
     ) -> None:
         self._engine = engine
         self._gpu = connector
@@ -131,7 +135,9 @@ class PlannedStore:
         self._chain = chain
         self._chunks = [p.chunk for p in pending]
         self._slots = transfer.slot_mapping
-        self._prepared = connector.prepare_store(self._chunks, transfer) if pending else None
+        self._prepared = None
+        if prepare and pending:
+            self._prepared = connector.prepare_store(self._chunks, transfer)
         self._started = started
         self._done = False
 
@@ -179,6 +185,93 @@ class PlannedStore:
         self._done = True
         self._prepared = None
         release_all(self._pending)
+
+
+class StoreBatch:
+    """Planned stores of one engine copied together: one connector call for all of them.
+
+    Built by :meth:`lmcache.cache_engine.LMCacheEngine.batch_stores` from stores planned with
+    ``prepare=False``: their chunks laid end to end over one slot mapping (each store's slots
+    from its first chunk to its last), prepared once by the connector. A serving engine's step
+    saves several requests; copying them in one call costs one gather and one set of DMAs
+    instead of one per request. :meth:`copy_out` returns each store's :class:`StagedStore`, to
+    commit one by one; :meth:`abort` drops them all.
+    """
+
+    def __init__(
+        self,
+        connector: GPUConnectorInterface,
+        stores: Sequence[PlannedStore],
+        transfer: TransferSpec,
+    ) -> None:
+        for st in stores:
+            if st._done or st._prepared is not None or st._gpu is not connector:
+                raise ValueError(
+                    "StoreBatch: every store must be planned by this engine with "
+                    "plan_store(..., prepare=False) and not copied or aborted yet."
+                )
+        self._gpu = connector
+        self._stores = list(stores)
+        self._chunks: list[ChunkTransfer] = []
+        parts: list[torch.Tensor] = []
+        offset = 0
+        for st in self._stores:
+            if not st._chunks:
+                continue
+            lo, hi = st._chunks[0].start, st._chunks[-1].end
+            parts.append(st._slots[lo:hi])
+            shift = offset - lo
+            self._chunks += [
+                ChunkTransfer(c.start + shift, c.end + shift, c.buffer) for c in st._chunks
+            ]
+            offset += hi - lo
+        self._slots = torch.cat(parts) if parts else transfer.slot_mapping[:0]
+        spec = dataclasses.replace(transfer, slot_mapping=self._slots)
+        self._prepared = connector.prepare_store(self._chunks, spec) if self._chunks else None
+        self._done = False
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the stores save together."""
+        return sum(c.num_tokens for c in self._chunks)
+
+    def copy_out(self, transfer: TransferSpec) -> list[StagedStore]:
+        """Copy every store's chunks out of the engine in one ``from_gpu`` call.
+
+        Args:
+            transfer: How to copy (stream, ``deferred``, ``on_engine_read``); its slot mapping
+                is ignored (the batch's own is used).
+
+        Returns:
+            One staged store per planned store, in order, to ``commit()``.
+
+        Raises:
+            RuntimeError: copied or aborted already.
+            Errors of the connector are raised as they are (every buffer is released).
+        """
+        if self._done:
+            raise RuntimeError("StoreBatch.copy_out(): copied or aborted already.")
+        self._done = True
+        staged = []
+        for st in self._stores:
+            st._done = True
+            staged.append(StagedStore(st._engine, st._pending, st._chain, st._started))
+        if self._chunks:
+            spec = dataclasses.replace(transfer, slot_mapping=self._slots, prepared=self._prepared)
+            try:
+                self._gpu.from_gpu(self._chunks, spec)
+            except BaseException:
+                for s in staged:
+                    s.abort()
+                raise
+        return staged
+
+    def abort(self) -> None:
+        """Release every store's buffers without copying anything (idempotent)."""
+        self._done = True
+        self._prepared = None
+        for st in self._stores:
+            st.abort()
 
 
 class _LayerwiseOp:

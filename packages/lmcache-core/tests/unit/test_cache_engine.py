@@ -599,6 +599,60 @@ def test_plan_store_copy_failure_releases_the_buffers() -> None:
     assert s.engine.pool.used_bytes == used and s.engine.lookup(tokens) == 0
 
 
+def test_a_store_batch_copies_several_requests_in_one_connector_call() -> None:
+    """batch_stores lays the chunks of several planned stores over one slot mapping: the
+    connector prepares once and copies once, and every request loads back bit for bit (one
+    with a masked prefix, one already stored: nothing to copy, one whose partial last chunk is not saved)."""
+    s = Setup(13)
+    s.conn = PreparingConnector(s.config, _metadata(), s.src)
+    s.engine = LMCacheEngine(s.config, _metadata(), s.conn)
+    t1, src1, dst1 = s.request(64, seed=31)
+    t2, src2, dst2 = s.request(72, seed=32)
+    t3, src3, _ = s.request(32, seed=33)
+    s.engine.store(t3, None, src3)  # already stored: its planned store leases nothing
+    calls = s.conn.calls["from_gpu"]
+    s.conn.prepared.clear()
+    planned = [
+        s.engine.plan_store(t1, _mask(64, CS), src1, prepare=False),
+        s.engine.plan_store(t3, None, src3, prepare=False),
+        s.engine.plan_store(t2, None, src2, prepare=False),
+    ]
+    assert [p.num_tokens for p in planned] == [64 - CS, 0, 64] and s.conn.prepared == []
+    batch = s.engine.batch_stores(planned)
+    assert batch.num_tokens == 64 - CS + 64
+    ((chunks, slots),) = s.conn.prepared
+    assert slots.numel() == 64 - CS + 64  # each store's slots over its chunks
+    assert [(c.start, c.end) for c in chunks] == [(i, i + CS) for i in range(0, 64 - CS + 64, CS)]
+    assert torch.equal(slots[: 64 - CS], src1.slot_mapping[CS:64])
+    assert torch.equal(slots[64 - CS :], src2.slot_mapping[:64])
+    with pytest.raises(ValueError, match="prepare=False"):
+        s.engine.batch_stores([s.engine.plan_store(t2, None, src2)])
+    staged = batch.copy_out(TransferSpec(torch.empty(0, dtype=torch.long)))
+    assert s.conn.calls["from_gpu"] == calls + 1
+    assert s.conn.copied[-1][1] == ("plan", 1)
+    with pytest.raises(RuntimeError, match="already"):
+        batch.copy_out(TransferSpec(slots))
+    with pytest.raises(RuntimeError, match="already"):
+        planned[0].copy_out()
+    assert [st.commit() for st in staged] == [64 - CS, 0, 64]
+    s.to_dst()
+    loaded = s.engine.retrieve(t2, None, dst2)
+    s.check_loaded(src2, dst2, loaded)
+    s.conn.kv = s.src
+    assert s.engine.lookup(t1) == 0  # its first chunk was masked: not stored
+    s.engine.store(t1, None, src1)  # stores the first chunk only; the rest was batched
+    s.to_dst()
+    s.dst.copy_(_poisoned())
+    s.check_loaded(src1, dst1, s.engine.retrieve(t1, None, dst1))
+
+    used = s.engine.pool.used_bytes
+    t4, src4, _ = s.request(48, seed=34)
+    dropped = s.engine.batch_stores([s.engine.plan_store(t4, None, src4, prepare=False)])
+    assert s.engine.pool.used_bytes == used + 3 * CHUNK_BYTES
+    dropped.abort()
+    assert s.engine.pool.used_bytes == used and s.engine.lookup(t4) == 0
+
+
 def test_layerwise_load_layers_in_groups_matches_per_layer() -> None:
     """load_layers(stop) moves a range of layers in one to_gpu_layers call (the default loops
     to_gpu_layer); the result is bit-identical to a plain retrieve."""

@@ -228,6 +228,7 @@ def test_top_level_lazy_names() -> None:
         "LayerwiseStore",
         "PlannedStore",
         "StagedStore",
+        "StoreBatch",
         "Tokens",
     ]
 
