@@ -30,6 +30,7 @@ has its own device staging buffer).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -59,7 +60,7 @@ from lmcache_vllm.transfer_plan import load_outcome, load_plan, skip_mask, slot_
 from lmcache_vllm.worker_layerwise import LayerwiseStep, PendingSave, layer_groups
 
 if TYPE_CHECKING:
-    from lmcache.cache_engine import LayerwiseRetrieve, PlannedStore
+    from lmcache.cache_engine import LayerwiseRetrieve, PlannedStore, StoreBatch
     from lmcache.held_hit import HeldHit
 
 __all__ = ["SECOND_ENGINE_ERROR", "WorkerSide"]
@@ -77,16 +78,29 @@ SECOND_ENGINE_ERROR = (
 
 @dataclasses.dataclass(eq=False)
 class _PlannedSave:
-    """One request's batched save this step: planned on the copy thread at bind, copied after
-    ``wait_for_save``. ``job``: its :class:`UnpublishedSaves` id; ``dropped``: failed or
-    abandoned (that id is done)."""
+    """One request's batched save this step; ``job``: its :class:`UnpublishedSaves` id."""
 
     req: ReqMeta
     tokens: list[int]
     job: int
-    spec: TransferSpec | None = None
     planned: PlannedStore | None = None
-    dropped: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class _StepSaves:
+    """A step's batched saves: planned on the copy thread at bind (``live``: those whose plan
+    succeeded, ``batch``: their one copy), copied after ``wait_for_save``."""
+
+    saves: list[_PlannedSave]
+    live: list[_PlannedSave] = dataclasses.field(default_factory=list)
+    batch: StoreBatch | None = None
+    spec: TransferSpec | None = None
+
+    @property
+    def label(self) -> str:
+        """Names the step's requests in the save queue's log lines."""
+        ids = [save.req.req_id for save in self.saves]
+        return ", ".join(ids[:4]) + (f" (+{len(ids) - 4} more)" if len(ids) > 4 else "")
 
 
 class WorkerSide:
@@ -135,7 +149,7 @@ class WorkerSide:
         self._prefetching = 0  # bytes of device copies of hits made ahead of their load
         self._bound: Any = None  # the metadata bind() last ran for
         self._held = HeldHits()
-        self._planned: dict[str, _PlannedSave] = {}  # this step's saves, planned at bind
+        self._planned: _StepSaves | None = None  # this step's saves, planned at bind
         self._saves = SaveQueue(f"lmcache-save-rank{rank}")
         self._unpublished = UnpublishedSaves(self.chunk_size)
 
@@ -461,43 +475,59 @@ class WorkerSide:
 
     def _plan_saves(self, meta: LMCacheConnectorMetadata) -> None:
         """Batched mode: queue the host side of this step's saves (chunk keys, host buffers,
-        the connector's plan) on the copy thread now, while the step computes their KV, so
-        that after the step only the copies themselves are left to enqueue."""
+        the connector's plan of one copy for all of them) on the copy thread now, while the
+        step computes their KV, so that after the step only one copy is left to enqueue."""
         engine = self.lmcache_engine
         if engine is None or self.config.use_layerwise:
             return
+        saves = []
         for req in meta.requests:
-            if req.save is None:
-                continue
-            tokens = req.token_ids[: req.save.end]
-            save = _PlannedSave(req, tokens, self._unpublished.add(req.salt, tokens))
-            self._planned[req.req_id] = save
-            self._saves.submit(req.req_id, partial(self._plan_job, engine, save))
+            if req.save is not None:
+                tokens = req.token_ids[: req.save.end]
+                saves.append(_PlannedSave(req, tokens, self._unpublished.add(req.salt, tokens)))
+        if saves:
+            step = _StepSaves(saves)
+            self._planned = step
+            self._saves.submit(step.label, partial(self._plan_job, engine, step))
 
-    def _plan_job(self, engine: LMCacheEngine, save: _PlannedSave) -> None:
-        """Copy thread: plan ``save`` (see :meth:`_plan_saves`); a failure drops the save."""
-        req = save.req
-        assert req.save is not None
-        try:
-            mask = self._mask(len(save.tokens), req.save.skip)
-            slots = self._slot_mapping(req, len(save.tokens))
-            extra = req.extra_keys or None
-            stream = self._store_stream()
-            if stream is None:
-                save.spec = TransferSpec(slots)
-                save.planned = engine.plan_store(
-                    save.tokens, mask, save.spec, salt=req.salt, extra_keys=extra
-                )
-            else:
-                save.spec = TransferSpec(slots, stream=stream, deferred=True)
-                with torch.cuda.stream(stream):  # the indices' upload goes where the copy will
+    def _plan_job(self, engine: LMCacheEngine, step: _StepSaves) -> None:
+        """Copy thread: plan every save of ``step`` (one failing drops only that one), then
+        their batch (:meth:`LMCacheEngine.batch_stores`: one connector call for all)."""
+        stream = self._store_stream()
+        empty = torch.empty(0, dtype=torch.long)
+        spec = (
+            TransferSpec(empty)
+            if stream is None
+            else TransferSpec(empty, stream=stream, deferred=True)
+        )
+        ctx = contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+        with ctx:  # device work of the planning (index uploads) goes where the copy will
+            for save in step.saves:
+                req = save.req
+                assert req.save is not None
+                try:
                     save.planned = engine.plan_store(
-                        save.tokens, mask, save.spec, salt=req.salt, extra_keys=extra
+                        save.tokens,
+                        self._mask(len(save.tokens), req.save.skip),
+                        TransferSpec(self._slot_mapping(req, len(save.tokens))),
+                        salt=req.salt,
+                        extra_keys=req.extra_keys or None,
+                        prepare=False,
                     )
-        except BaseException:
-            self._unpublished.done(save.job)
-            save.dropped = True
-            raise
+                except Exception:
+                    logger.exception("lmcache: save of request %s failed", req.req_id)
+                    self._unpublished.done(save.job)
+            live = [save for save in step.saves if save.planned is not None]
+            stores = [save.planned for save in live if save.planned is not None]
+            try:
+                step.batch = engine.batch_stores(stores, spec)
+            except BaseException:
+                for save in live:
+                    assert save.planned is not None
+                    save.planned.abort()
+                    self._unpublished.done(save.job)
+                raise
+        step.live, step.spec = live, spec
 
     def _store_stream(self) -> Any:
         """The worker's one store stream (CUDA caches), else ``None``."""
@@ -507,52 +537,51 @@ class WorkerSide:
 
     def _drop_planned(self) -> None:
         """Saves planned at the last bind whose ``wait_for_save`` never came: release their
-        buffers (on the copy thread, after their plan jobs)."""
-        if not self._planned:
-            return
-        for req_id, save in self._planned.items():
-            self._saves.submit(req_id, partial(self._drop_job, save))
-        self._planned = {}
+        buffers (on the copy thread, after their plan job)."""
+        step, self._planned = self._planned, None
+        if step is not None:
+            self._saves.submit(step.label, partial(self._drop_job, step))
 
-    def _drop_job(self, save: _PlannedSave) -> None:
-        if save.planned is not None:
-            save.planned.abort()
-        if not save.dropped:
-            save.dropped = True
+    def _drop_job(self, step: _StepSaves) -> None:
+        if step.batch is not None:
+            step.batch.abort()
+        for save in step.saves:
+            if save.planned is not None:
+                save.planned.abort()
             self._unpublished.done(save.job)
 
     def wait_for_save(self) -> None:
-        """Queue the copies of this step's saves (planned at bind) and return at once; finish
+        """Queue the copy of this step's saves (planned at bind) and return at once; finish
         this step's enqueued loads (their leases go, failed ones become load errors)."""
         if self._layerwise is not None:
             self._layerwise.finish()  # layerwise: queues this step's commits
         if self.config.use_layerwise:
             return
-        planned, self._planned = self._planned, {}
-        if not planned:
+        step, self._planned = self._planned, None
+        if step is None:
             return
         ready = None
         if self._store_stream() is not None:
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(torch.cuda.current_stream(self._registered[0].device))
-        for req_id, save in planned.items():
-            fence = ReadFence()
-            self._saves.submit(req_id, self._save_job(save, ready, fence), fence)
+        fence = ReadFence()
+        self._saves.submit(step.label, self._save_job(step, ready, fence), fence)
 
-    def _save_job(self, save: _PlannedSave, ready: Any, fence: ReadFence) -> CopyJob:
-        """The copy job of a planned save (on CUDA it releases ``fence`` once vLLM's pages are
-        read and returns before the bytes reach the host); it returns the commit job."""
+    def _save_job(self, step: _StepSaves, ready: Any, fence: ReadFence) -> CopyJob:
+        """The copy job of a step's planned saves (on CUDA it releases ``fence`` once vLLM's
+        pages are read and returns before the bytes reach the host); it returns the commit
+        job, which publishes each request's chunks."""
 
         def _copy() -> CommitJob | None:
-            planned, spec = save.planned, save.spec
-            if planned is None or spec is None or save.dropped:
-                return None  # its plan failed (logged): nothing to copy
+            batch, spec, live = step.batch, step.spec, step.live
+            if batch is None or spec is None:
+                return None  # the plan failed (logged): nothing to copy
             started = time.perf_counter()
             copied: Any = None  # CUDA: the event after the copy to the host
             try:
                 with self._xfer_lock:
                     if ready is None:
-                        staged = planned.copy_out(spec)
+                        staged = batch.copy_out(spec)
                     else:
                         stream = spec.stream
                         stream.wait_event(ready)  # after the step that wrote this KV
@@ -563,31 +592,36 @@ class WorkerSide:
                             fence.release(event)
 
                         with torch.cuda.stream(stream):
-                            staged = planned.copy_out(
-                                dataclasses.replace(spec, on_engine_read=_read)
-                            )
+                            staged = batch.copy_out(dataclasses.replace(spec, on_engine_read=_read))
                             # blocking: the commit thread sleeps on it (a spinning wait
                             # would poll the driver, and burn a core, for a whole forward)
                             copied = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
                             copied.record(stream)
                         fence.release(copied)  # no-op when _read ran
             except BaseException:
-                save.dropped = True
-                self._unpublished.done(save.job)
+                for save in live:
+                    self._unpublished.done(save.job)
                 raise
 
             def _commit() -> None:
                 try:
                     if copied is not None:
-                        try:
-                            copied.synchronize()  # the bytes are on the host
-                        except BaseException:
-                            staged.abort()
-                            raise
-                    stored = staged.commit()
-                finally:
-                    self._unpublished.done(save.job)
-                self._count_save(stored, time.perf_counter() - started)
+                        copied.synchronize()  # the bytes are on the host
+                except BaseException:
+                    for st in staged:
+                        st.abort()
+                    for save in live:
+                        self._unpublished.done(save.job)
+                    raise
+                for save, st in zip(live, staged, strict=True):
+                    try:
+                        stored = st.commit()
+                    except Exception:
+                        logger.exception("lmcache: save of request %s failed", save.req.req_id)
+                        continue
+                    finally:
+                        self._unpublished.done(save.job)
+                    self._count_save(stored, time.perf_counter() - started)
 
             return _commit
 
@@ -622,9 +656,9 @@ class WorkerSide:
         """Finish queued saves, stop the lookup server, release every lease."""
         if not self._saves.close(timeout=60.0):
             logger.warning("lmcache: saves still running at shutdown; their chunks are dropped")
-        for save in self._planned.values():  # planned for a step that never ended
-            self._drop_job(save)
-        self._planned = {}
+        if self._planned is not None:  # planned for a step that never ended
+            self._drop_job(self._planned)
+            self._planned = None
         if self._lookup_server is not None:
             self._lookup_server.close()
             self._lookup_server = None

@@ -241,6 +241,54 @@ def test_a_save_stores_the_kv_the_step_wrote_after_it_was_planned(rig):
     assert torch.equal(got.view(torch.int32), written[:, :full].view(torch.int32))
 
 
+def test_a_steps_saves_are_copied_in_one_connector_call(rig, monkeypatch):
+    """Batched mode copies every request saved in a step with one ``from_gpu`` call (one
+    gather, one set of DMAs); each request still loads back bit for bit. A request whose plan
+    fails is dropped alone: the others of its step are stored."""
+    if rig.worker.config.use_layerwise:
+        pytest.skip("layerwise saves go per layer")
+    engine = rig.worker.lmcache_engine
+    connector = engine.gpu_connector
+    calls = []
+    real_from = type(connector).from_gpu
+    monkeypatch.setattr(
+        connector, "from_gpu", lambda chunks, t: (calls.append(len(chunks)), real_from(connector, chunks, t))[1]
+    )  # fmt: skip
+    bad = _prompt(72)
+    real_plan = type(engine).plan_store
+
+    def plan_store(self, tokens, *a, **k):
+        if list(tokens) == bad:
+            raise RuntimeError("injected plan failure")
+        return real_plan(self, tokens, *a, **k)
+
+    monkeypatch.setattr(type(engine), "plan_store", plan_store)
+    prompts = [_prompt(70), bad, _prompt(71)]
+    reqs, pages = [], []
+    for i, p in enumerate(prompts):
+        blocks = rig.blocks(PROMPT)
+        reqs.append(ReqMeta(f"s{i}", p, blocks, save=SaveSpec(skip=0, end=PROMPT)))
+        pages.append(blocks)
+    rig.step(*reqs)
+    assert rig.worker._saves.wait(timeout=30)
+    assert calls == [8]  # two requests of 4 chunks, one call
+    assert engine.lookup(bad) == 0
+    for i in (0, 2):
+        want = rig.pages(pages[i]).clone()
+        dst = rig.blocks(PROMPT)
+        for c in rig.caches.values():
+            c[dst] = float("nan")
+        promised = rig.scheduler.get_num_new_matched_tokens(_request(f"r{i}", prompts[i]), 0)
+        assert promised == PROMPT - BLOCK
+        rig.step(ReqMeta(f"r{i}", prompts[i], dst, load=LoadSpec(0, PROMPT, promised)))
+        if rig.caches[next(iter(rig.caches))].is_cuda:
+            torch.cuda.synchronize()
+        full = promised // BLOCK
+        got = rig.pages(dst)[:, :full]
+        assert torch.equal(got.view(torch.int32), want[:, :full].view(torch.int32))
+    assert rig.worker.get_block_ids_with_load_errors() == set()
+
+
 def test_a_step_that_never_ends_leaves_no_planned_save_behind(rig):
     """A step bound but never finished (no ``wait_for_save``): the next bind drops its planned
     saves (buffers back to the pool, nothing visible) and a lookup of that prompt does not wait
