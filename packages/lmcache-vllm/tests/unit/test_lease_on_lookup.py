@@ -101,6 +101,22 @@ class Rig:
     def pages(self, blocks: list[int]) -> torch.Tensor:
         return torch.stack([c[blocks] for c in self.caches.values()]).cpu()
 
+    def check_hit(self, rid: str, tokens: list[int], want: torch.Tensor) -> None:
+        """Look ``tokens`` up (a full hit is promised), load them into poisoned new blocks and
+        compare with ``want`` (their pages as saved) bit for bit; no load error."""
+        dst = self.blocks(PROMPT)
+        for c in self.caches.values():
+            c[dst] = float("nan")
+        promised = self.scheduler.get_num_new_matched_tokens(_request(rid, tokens), 0)
+        assert promised == PROMPT - BLOCK
+        self.step(ReqMeta(rid, tokens, dst, load=LoadSpec(0, PROMPT, promised)))
+        if next(iter(self.caches.values())).is_cuda:
+            torch.cuda.synchronize()
+        assert self.worker.get_block_ids_with_load_errors() == set()
+        full = promised // BLOCK
+        got = self.pages(dst)[:, :full]
+        assert torch.equal(got.view(torch.int32), want[:, :full].view(torch.int32))
+
     def close(self) -> None:
         self.scheduler.close()
         self.worker.shutdown()
@@ -227,18 +243,7 @@ def test_a_save_stores_the_kv_the_step_wrote_after_it_was_planned(rig):
     rig.worker.wait_for_save()
     assert rig.worker._saves.wait(timeout=30)
 
-    dst = rig.blocks(PROMPT)
-    for c in rig.caches.values():
-        c[dst] = float("nan")
-    promised = rig.scheduler.get_num_new_matched_tokens(_request("r", a), 0)
-    assert promised == PROMPT - BLOCK
-    rig.step(ReqMeta("r", a, dst, load=LoadSpec(0, PROMPT, promised)))
-    if rig.caches[next(iter(rig.caches))].is_cuda:
-        torch.cuda.synchronize()
-    assert rig.worker.get_block_ids_with_load_errors() == set()
-    full = promised // BLOCK
-    got = rig.pages(dst)[:, :full]
-    assert torch.equal(got.view(torch.int32), written[:, :full].view(torch.int32))
+    rig.check_hit("r", a, written)
 
 
 def test_a_steps_saves_are_copied_in_one_connector_call(rig, monkeypatch):
@@ -274,19 +279,7 @@ def test_a_steps_saves_are_copied_in_one_connector_call(rig, monkeypatch):
     assert calls == [8]  # two requests of 4 chunks, one call
     assert engine.lookup(bad) == 0
     for i in (0, 2):
-        want = rig.pages(pages[i]).clone()
-        dst = rig.blocks(PROMPT)
-        for c in rig.caches.values():
-            c[dst] = float("nan")
-        promised = rig.scheduler.get_num_new_matched_tokens(_request(f"r{i}", prompts[i]), 0)
-        assert promised == PROMPT - BLOCK
-        rig.step(ReqMeta(f"r{i}", prompts[i], dst, load=LoadSpec(0, PROMPT, promised)))
-        if rig.caches[next(iter(rig.caches))].is_cuda:
-            torch.cuda.synchronize()
-        full = promised // BLOCK
-        got = rig.pages(dst)[:, :full]
-        assert torch.equal(got.view(torch.int32), want[:, :full].view(torch.int32))
-    assert rig.worker.get_block_ids_with_load_errors() == set()
+        rig.check_hit(f"r{i}", prompts[i], rig.pages(pages[i]).clone())
 
 
 def test_a_step_that_never_ends_leaves_no_planned_save_behind(rig):
@@ -370,17 +363,7 @@ def test_next_step_rewrites_saved_pages_only_after_the_save_read_them(tmp_path):
         gpu_busy_s = start.elapsed_time(end) / 1e3
         assert busy and bind_s < gpu_busy_s / 2, (bind_s, gpu_busy_s)  # no host wait for it
 
-        dst = rig.blocks(PROMPT)
-        for c in rig.caches.values():
-            c[dst] = float("nan")
-        promised = rig.scheduler.get_num_new_matched_tokens(_request("r", a), 0)
-        assert promised == PROMPT - BLOCK
-        rig.step(ReqMeta("r", a, dst, load=LoadSpec(0, PROMPT, promised)))
-        torch.cuda.synchronize()
-        assert rig.worker.get_block_ids_with_load_errors() == set()
-        full = promised // BLOCK
-        got = rig.pages(dst)[:, :full]
-        assert torch.equal(got.view(torch.int32), original[:, :full].view(torch.int32))
+        rig.check_hit("r", a, original)
     finally:
         rig.close()
 
