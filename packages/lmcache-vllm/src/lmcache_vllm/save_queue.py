@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Saves off the step: a two-stage pipeline of copy jobs and commit jobs on background threads.
 
-The worker enqueues a request's save in ``wait_for_save`` and returns at once. A save is two
-jobs:
+The worker queues the planning of a step's saves when the step binds (a job on the copy thread,
+while the step computes) and their copy in ``wait_for_save``, returning at once. A save is two
+jobs after its plan:
 
 1. **copy** (copier thread, in submission order): copies the KV out of vLLM's pages into leased
    host buffers (``LMCacheEngine.copy_out``). On CUDA it only *enqueues* the copy on a store

@@ -6,7 +6,9 @@ One per worker process (vLLM keeps one worker-side connector per process). Per s
 1. :meth:`WorkerSide.bind`: orders this step's writes of vLLM's pages after the reads of the
    saves queued so far (vLLM may now rewrite freed or preempted blocks): on CUDA the compute
    stream waits on the device for each save's gather, the host only until the gathers are
-   enqueued; then releases leases of preempted requests and stale ones.
+   enqueued; then queues the planning of this step's batched saves on the copy thread (chunk
+   keys, host buffers, one copy plan for all of them: it runs while the step computes) and
+   releases leases of preempted requests and stale ones.
 2. :meth:`WorkerSide.start_load_kv`: loads every request's hit from the chunks this rank leased
    at lookup (:mod:`lmcache_vllm.held_hits`). On CUDA the copies are enqueued on a load stream
    and the compute stream waits for them on the device (batched: all layers at once;
@@ -15,17 +17,18 @@ One per worker process (vLLM keeps one worker-side connector per process). Per s
    in ``wait_for_save``, after the forward is enqueued. On the CPU, one synchronous
    ``LMCacheEngine.retrieve`` per request. Tokens that did not arrive make their blocks a load
    error (vLLM's ``get_block_ids_with_load_errors``).
-3. :meth:`WorkerSide.wait_for_save`: queues one save per request on the
+3. :meth:`WorkerSide.wait_for_save`: queues the step's one copy of every planned save on the
    :class:`~lmcache_vllm.save_queue.SaveQueue` and returns at once (on CUDA the copy is enqueued
    on a store stream after an event recorded after the step's compute, and the commit thread
-   waits for it to reach the host); layerwise, :meth:`WorkerSide.save_kv_layer` queues each
-   layer's copy the same way (each layer's copy completes on the copy thread).
+   waits for it to reach the host, then publishes each request's chunks); layerwise,
+   :meth:`WorkerSide.save_kv_layer` queues each layer's copy the same way.
 4. :meth:`WorkerSide.get_finished`: releases finished requests' leases; nothing is held for
    lmcache, so nothing is reported as finished sending.
 
 Loads and saves share one transfer lock: a load waits for a save *enqueueing* its copy at that
 moment (the connector's planning state is not shared between concurrent calls; every transfer
-has its own device staging buffer).
+has its own device staging buffer). A save's planning at bind runs outside the lock: the only
+connector state it shares with a load, the pinned slot-index ring, has a lock of its own.
 """
 
 from __future__ import annotations
