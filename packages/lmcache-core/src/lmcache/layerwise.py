@@ -109,6 +109,22 @@ class StagedStore:
         release_all(self._pending)
 
 
+def _copy_or_abort(
+    connector: GPUConnectorInterface,
+    chunks: Sequence[ChunkTransfer],
+    spec: TransferSpec,
+    staged: Sequence[StagedStore],
+) -> None:
+    """One ``from_gpu`` call; on any error every staged store's buffers go back, then it is
+    raised."""
+    try:
+        connector.from_gpu(chunks, spec)
+    except BaseException:
+        for st in staged:
+            st.abort()
+        raise
+
+
 class PlannedStore:
     """A store whose chunks are chosen and whose host buffers are leased, nothing copied yet.
 
@@ -168,17 +184,17 @@ class PlannedStore:
                 "PlannedStore.copy_out(): the transfer's slot mapping is not the one the store "
                 "was planned with; pass the same TransferSpec.slot_mapping tensor."
             )
-        self._done = True
-        staged = StagedStore(self._engine, self._pending, self._chain, self._started)
-        if not self._pending:
-            return staged
-        spec = TransferSpec(self._slots) if transfer is None else transfer
-        try:
-            self._gpu.from_gpu(self._chunks, dataclasses.replace(spec, prepared=self._prepared))
-        except BaseException:
-            staged.abort()
-            raise
+        staged = self._stage()
+        if self._pending:
+            spec = TransferSpec(self._slots) if transfer is None else transfer
+            spec = dataclasses.replace(spec, prepared=self._prepared)
+            _copy_or_abort(self._gpu, self._chunks, spec, [staged])
         return staged
+
+    def _stage(self) -> StagedStore:
+        """Mark this store copied and hand its buffers to a :class:`StagedStore`."""
+        self._done = True
+        return StagedStore(self._engine, self._pending, self._chain, self._started)
 
     def abort(self) -> None:
         """Release the buffers without copying anything (idempotent)."""
@@ -252,18 +268,10 @@ class StoreBatch:
         if self._done:
             raise RuntimeError("StoreBatch.copy_out(): copied or aborted already.")
         self._done = True
-        staged = []
-        for st in self._stores:
-            st._done = True
-            staged.append(StagedStore(st._engine, st._pending, st._chain, st._started))
+        staged = [st._stage() for st in self._stores]
         if self._chunks:
             spec = dataclasses.replace(transfer, slot_mapping=self._slots, prepared=self._prepared)
-            try:
-                self._gpu.from_gpu(self._chunks, spec)
-            except BaseException:
-                for s in staged:
-                    s.abort()
-                raise
+            _copy_or_abort(self._gpu, self._chunks, spec, staged)
         return staged
 
     def abort(self) -> None:

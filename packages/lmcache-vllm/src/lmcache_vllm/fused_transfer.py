@@ -230,12 +230,15 @@ def _memcpy_2d(run: _Run, dev: torch.Tensor, to_host: bool, stream: Any) -> bool
     device = (dev.data_ptr(), run.dev_pitch)
     dst, src, kind = (host, device, 2) if to_host else (device, host, 1)  # cudaMemcpyKind
     err = lib.cudaMemcpy2DAsync(*dst, *src, run.nbytes, run.rows, kind, stream.cuda_stream)
-    if err != 0:
-        raise RuntimeError(
-            f"lmcache: cudaMemcpy2DAsync of {run.rows} rows of {run.nbytes} bytes failed: "
-            f"{lib.cudaGetErrorString(err).decode(errors='replace')}"
-        )
+    _check_cuda(lib, err, f"cudaMemcpy2DAsync of {run.rows} rows of {run.nbytes} bytes")
     return True
+
+
+def _check_cuda(lib: Any, err: int, what: str) -> None:
+    """Raise ``RuntimeError`` with the runtime's own message when ``err`` is not success."""
+    if err != 0:
+        message = lib.cudaGetErrorString(err).decode(errors="replace")
+        raise RuntimeError(f"lmcache: {what} failed: {message}")
 
 
 def _memcpy_1d(run: _Run, dev: int, to_host: bool, stream: Any) -> bool:
@@ -253,11 +256,7 @@ def _memcpy_1d(run: _Run, dev: int, to_host: bool, stream: Any) -> bool:
     host = run.host.data_ptr()
     dst, src, kind = (host, dev, 2) if to_host else (dev, host, 1)  # cudaMemcpyKind
     err = lib.cudaMemcpyAsync(dst, src, run.nbytes, kind, stream.cuda_stream)
-    if err != 0:
-        raise RuntimeError(
-            f"lmcache: cudaMemcpyAsync of {run.nbytes} bytes failed: "
-            f"{lib.cudaGetErrorString(err).decode(errors='replace')}"
-        )
+    _check_cuda(lib, err, f"cudaMemcpyAsync of {run.nbytes} bytes")
     return True
 
 
