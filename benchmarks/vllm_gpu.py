@@ -29,6 +29,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +94,21 @@ class _Profile:
     each phase, CPU seconds per thread (who competes with vLLM's thread for the GIL), and per
     request the save jobs (copy / commit threads) that ran inside its TTFT window."""
 
-    def __init__(self, out: Path | None, cprofile: bool = True) -> None:
+    def __init__(
+        self, out: Path | None, cprofile: bool = True, hooks: Sequence[str] = (), jobs: bool = False
+    ) -> None:
+        import cProfile
+
         self.out = out
         self.cprofile = cprofile
+        # --cprofile-hooks / --cprofile-jobs: one cProfile per named hook (main thread) and per
+        # save-job kind (its own thread), each enabled only inside its calls
+        self.hook_profiles = {name: cProfile.Profile() for name in hooks}
+        self.job_profiles = (
+            {kind: cProfile.Profile() for kind in ("copy", "commit")} if jobs else {}
+        )
+        self._in_hook = False
+        self.skipped_profiles = 0  # calls not profiled: another profile was active
         self.phase = ""
         self.hooks: dict[tuple[str, str], list[float]] = {}
         self.rows: list[str] = []
@@ -131,14 +144,25 @@ class _Profile:
 
         main = threading.main_thread()
 
+        short = name.rsplit(".", 1)[-1]
+        hook_prof = self.hook_profiles.get(short)
+
         @functools.wraps(fn)
         def timed(*a: Any, **k: Any) -> Any:
             if threading.current_thread() is not main:
                 return fn(*a, **k)
             t = time.perf_counter()
+            # not when already inside a profiled hook (a profile is enabled only once)
+            outer = hook_prof is not None and not self.cprofile and not self._in_hook
+            if outer:
+                outer = self._enable(hook_prof)
+                self._in_hook = outer
             try:
                 return fn(*a, **k)
             finally:
+                if outer:
+                    hook_prof.disable()  # type: ignore[union-attr]
+                    self._in_hook = False
                 cell = self.hooks.setdefault((self.phase, name), [0.0, 0])
                 cell[0] += time.perf_counter() - t
                 cell[1] += 1
@@ -147,10 +171,24 @@ class _Profile:
 
     def _job(self, kind: str, fn: Any) -> None:
         t, cpu = time.perf_counter(), time.thread_time()
+        job_prof = self.job_profiles.get(kind)
+        on = job_prof is not None and self._enable(job_prof)
         try:
             fn()
         finally:
+            if on:
+                job_prof.disable()  # type: ignore[union-attr]
             self.jobs.append((kind, t, time.perf_counter(), time.thread_time() - cpu))
+
+    def _enable(self, profile: Any) -> bool:
+        """Enable ``profile``; ``False`` (this call is not profiled) when another profile is
+        active: from Python 3.12 on, one profiler at a time per process, every thread."""
+        try:
+            profile.enable()
+        except ValueError:
+            self.skipped_profiles += 1
+            return False
+        return True
 
     def request(self, start: float, ttft: float) -> None:
         if self.out is not None:
@@ -211,8 +249,23 @@ class _Profile:
                     prof.dump_stats(str(self.out / f"{label}.prof"))
 
     def report(self) -> None:
+        import pstats
+
         for row in self.rows:
             print(row)
+        if self.skipped_profiles:
+            print(f"cProfile: {self.skipped_profiles} calls not profiled (another was active)")
+        profiles = [("hook-" + n, p) for n, p in self.hook_profiles.items()]
+        profiles += [("job-" + k, p) for k, p in self.job_profiles.items()]
+        for label, profile in profiles:  # every phase together
+            assert self.out is not None
+            with (self.out / f"{label}.txt").open("w") as f:
+                try:
+                    stats = pstats.Stats(profile, stream=f)
+                except TypeError:  # never enabled
+                    continue
+                stats.sort_stats("tottime").print_stats(30)
+                stats.sort_stats("cumulative").print_stats(50)
 
 
 def _thread_cpu() -> dict[int, float]:
@@ -327,6 +380,20 @@ def main() -> None:
     )
     parser.add_argument("--cold-reps", type=int, default=15)
     parser.add_argument(
+        "--cprofile-hooks",
+        default="",
+        metavar="LIST",
+        help="with --profile --no-cprofile: a cProfile of only these hooks (comma-separated "
+        "method names, e.g. get_num_new_matched_tokens,bind), all phases, to DIR/hook-NAME.txt "
+        "(from Python 3.12 one profile runs at a time: a call overlapping another is skipped)",
+    )
+    parser.add_argument(
+        "--cprofile-jobs",
+        action="store_true",
+        help="with --profile: a cProfile of the save jobs on their own threads (copy: planning "
+        "and copies; commit), all phases, to DIR/job-copy.txt and DIR/job-commit.txt",
+    )
+    parser.add_argument(
         "--no-cprofile",
         action="store_true",
         help="with --profile: only the hook times, save jobs and thread CPU (cProfile sees "
@@ -381,7 +448,12 @@ def main() -> None:
         f"Llama-3-8B attention (32 q / 8 kv heads of 128), bf16, prompt {args.tokens} tokens"
     )
 
-    prof = _Profile(args.profile, cprofile=not args.no_cprofile)
+    prof = _Profile(
+        args.profile,
+        cprofile=not args.no_cprofile,
+        hooks=[h for h in args.cprofile_hooks.split(",") if h],
+        jobs=args.cprofile_jobs,
+    )
     base_llm = _engine(model, None, max_len)
     try:
         base = _measure(base_llm, prompts, batches, prof, "base")

@@ -65,6 +65,7 @@ from lmcache_vllm.lookup_wire import (
     OP_LOOKUP,
     REPLY,
     LookupQuery,
+    check_lookup,
     decode_request,
     decode_request_body,
     encode_clear,
@@ -472,7 +473,12 @@ class LookupClient:
         """
         deadline = time.monotonic() + self.timeout_s
         try:
-            payload = encode_lookup(query)
+            servers = self._servers()
+            if all(server is not None for server in servers):
+                check_lookup(query)  # nothing goes on the wire: the limits only, no packing
+                payload = b""
+            else:
+                payload = encode_lookup(query)
             limit = len(query.tokens)
         except Exception as exc:
             self._bad_query(query, exc)
@@ -481,7 +487,7 @@ class LookupClient:
             with self._lock:
                 if self._closed:
                     return 0
-                answers = self._exchange(payload, deadline, limit, query)
+                answers = self._exchange(payload, deadline, limit, query, servers)
         except Exception:  # a bug here must still not reach vLLM's scheduler
             logger.exception("lmcache lookup: unexpected error; counting a miss")
             self.failures += 1
@@ -489,6 +495,12 @@ class LookupClient:
         if any(a is None for a in answers):
             return 0
         return min(a for a in answers if a is not None)
+
+    def _servers(self) -> list[LookupServer | None]:
+        """Per rank, its server when it lives in this process (answered by a direct call)."""
+        if not self._in_process:
+            return [None] * len(self._ranks)
+        return [_local_server(rank.path) for rank in self._ranks]
 
     def clear(self) -> bool:
         """Ask every rank to empty its cache, under the same deadline as a lookup.
@@ -501,7 +513,7 @@ class LookupClient:
             with self._lock:
                 if self._closed:
                     return False
-                answers = self._exchange(encode_clear(), deadline, 0, None)
+                answers = self._exchange(encode_clear(), deadline, 0, None, self._servers())
         except Exception:
             logger.exception("lmcache lookup: unexpected error in clear")
             return False
@@ -585,22 +597,34 @@ class LookupClient:
         return None
 
     def _exchange(
-        self, payload: bytes, deadline: float, limit: int, request: LookupQuery | None
+        self,
+        payload: bytes,
+        deadline: float,
+        limit: int,
+        request: LookupQuery | None,
+        servers: list[LookupServer | None],
     ) -> list[int | None]:
         """Send ``payload`` to every rank, collect ``i64`` replies until ``deadline``; ranks
-        served in this process answer ``request`` (``None``: clear) by a direct call.
+        served in this process (``servers``, from :meth:`_servers`) answer ``request``
+        (``None``: clear) by a direct call.
 
         Returns:
             Per rank, its answer in ``[0, limit]``, or ``None`` for a miss.
         """
         answers: list[int | None] = [None] * len(self._ranks)
+        local = []
+        remote = []
+        for rank, server in zip(self._ranks, servers, strict=True):
+            if server is not None:
+                local.append((rank, server))
+            else:
+                remote.append(rank)
+        if not remote:  # one worker in this process (vLLM's usual single-GPU case)
+            for rank, server in local:
+                self._accept(rank, server.answer(request), limit, answers)
+            return answers
         with selectors.DefaultSelector() as sel:
-            local = []
-            for rank in self._ranks:
-                server = _local_server(rank.path) if self._in_process else None
-                if server is not None:
-                    local.append((rank, server))
-                    continue
+            for rank in remote:
                 conn = self._connection(rank)
                 if conn is not None:
                     sel.register(conn, selectors.EVENT_WRITE, _Exchange(rank, conn, payload))

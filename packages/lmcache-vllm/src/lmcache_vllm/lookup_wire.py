@@ -44,6 +44,7 @@ __all__ = [
     "OP_LOOKUP",
     "REPLY",
     "LookupQuery",
+    "check_lookup",
     "decode_request",
     "decode_request_body",
     "encode_clear",
@@ -125,17 +126,12 @@ def _bad_token(tokens: Sequence[int]) -> str:
     return "a token is not a u32"
 
 
-def encode_lookup(query: LookupQuery) -> bytes:
-    """Frame a lookup request (format in the module docstring).
-
-    Raises:
-        ValueError: A field beyond its limit, a token id outside ``[0, 2**32)``, an extra key
-            that is not 1 to :data:`MAX_EXTRA_KEY_BYTES` bytes or whose chunk index is not a u32.
-    """
+def _head(query: LookupQuery) -> list[bytes]:
+    """Every part of a lookup's frame before its tokens, each limit checked (see
+    :func:`encode_lookup`); the token count too, not the tokens."""
     req_id = _utf8(query.req_id, MAX_ID_BYTES, "request id")
     salt = _utf8(query.salt, MAX_SALT_BYTES, "salt")
-    tokens = query.tokens
-    n = len(tokens)
+    n = len(query.tokens)
     if n > MAX_TOKENS:
         raise ValueError(
             f"lookup has {n} tokens; expected at most {MAX_TOKENS} (MAX_TOKENS); "
@@ -167,8 +163,30 @@ def encode_lookup(query: LookupQuery) -> bytes:
             ) from None
         parts.append(data)
     parts.append(_U32.pack(n))
+    return parts
+
+
+def check_lookup(query: LookupQuery) -> None:
+    """The limits :func:`encode_lookup` checks, without packing the tokens: for a lookup
+    answered in this process (the tokens themselves are checked where their keys are made).
+
+    Raises:
+        ValueError: As :func:`encode_lookup`, except for token values.
+    """
+    _head(query)
+
+
+def encode_lookup(query: LookupQuery) -> bytes:
+    """Frame a lookup request (format in the module docstring).
+
+    Raises:
+        ValueError: A field beyond its limit, a token id outside ``[0, 2**32)``, an extra key
+            that is not 1 to :data:`MAX_EXTRA_KEY_BYTES` bytes or whose chunk index is not a u32.
+    """
+    parts = _head(query)
+    tokens = query.tokens
     try:
-        parts.append(struct.pack(f"<{n}I", *tokens))
+        parts.append(struct.pack(f"<{len(tokens)}I", *tokens))
     except struct.error:
         raise ValueError(f"lookup tokens: {_bad_token(tokens)}") from None
     return b"".join(parts)

@@ -185,7 +185,9 @@ class SchedulerSide:
         if not self.loads_enabled or _skips_reading(request):
             return 0
         key = self._key(request)
-        tokens = list(request.prompt_token_ids or [])
+        tokens = request.prompt_token_ids or []
+        if not isinstance(tokens, list):
+            tokens = list(tokens)  # vLLM's own is a list already: not copied per lookup
         if key.skip_reason is not None or not tokens:
             return 0
         pending = self._lookups.pop(rid, None)
@@ -269,7 +271,9 @@ class SchedulerSide:
 
     def _new(self, meta: LMCacheConnectorMetadata, new: Any, num_sched: Any) -> None:
         rid = str(new.req_id)
-        prompt = list(new.prompt_token_ids or [])
+        prompt = new.prompt_token_ids or []
+        if not isinstance(prompt, list):
+            prompt = list(prompt)  # sliced (copied) below, so vLLM's own list is not copied
         request = self._requests.get(rid)
         load = self._load_specs.pop(rid, None)
         key = self._key(request) if request is not None else RequestKey(skip_reason="unknown")

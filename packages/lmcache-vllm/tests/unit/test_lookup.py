@@ -34,6 +34,7 @@ from lmcache_vllm.lookup import (
     socket_dir,
     socket_path,
 )
+from lmcache_vllm.lookup_wire import check_lookup
 
 LOGGER = "lmcache_vllm.lookup"
 
@@ -174,6 +175,9 @@ def test_wire_format_is_little_endian_struct():
 def test_encode_rejects_what_breaks_a_limit(query, match):
     with pytest.raises(ValueError, match=match):
         encode_lookup(query)
+    if "token " not in match:  # an in-process lookup checks every limit but token values
+        with pytest.raises(ValueError, match=match):
+            check_lookup(query)
 
 
 @pytest.mark.parametrize(
@@ -609,5 +613,8 @@ def test_servers_in_this_process_are_called_directly(h):
     assert seen[0] == seen[1] == query
     assert direct._ranks[0].conn is None and wire._ranks[0].conn is not None  # no socket used
     assert direct.clear() and cleared == [1]
+    # a query beyond a limit is a bad query in this process too: no call, a counted miss
+    assert direct.lookup(q([1], salt="x" * (MAX_SALT_BYTES + 1))) == 0
+    assert direct.failures == 1 and len(seen) == 2
     server.close()
-    assert direct.lookup(query) == 0 and direct.failures >= 1
+    assert direct.lookup(query) == 0 and direct.failures >= 2
