@@ -3,12 +3,16 @@
 
 Run on a CUDA machine with vLLM importable (offline: ``tools/gpu_engines/README.md``)::
 
-    python benchmarks/vllm_gpu.py [--tokens 16384] [--reps 5] [--checksum {default,on,off}]
+    python benchmarks/vllm_gpu.py [--tokens 16384] [--reps 5] [--rounds 3] [--tput-reps 5]
+        [--checksum {default,on,off}] [--profile DIR [--no-cprofile]]
 
 Model: a random 8-layer Llama with Llama-3-8B attention geometry (hidden 4096, 32 query heads,
 8 KV heads of 128, bf16; 16k tokens = 512 MiB of KV), built locally. Engines run one after the
-other in this process, eager mode, 16-token blocks. Per engine (no lmcache, then lmcache with
-the given config, its host pool pinned before timing):
+other in this process, eager mode, 16-token blocks: no lmcache, then lmcache with the given
+config (an empty tier, its host pool pinned before timing); with ``--rounds N``, N fresh engines
+of each in ABBA order (base, lmcache, lmcache, base, ...), every figure the median over all
+rounds' samples, so that the machine's drift during a run weighs on both alike (each round's
+ratios are printed too). Per engine:
 
 - ``cold``: TTFT of a prompt never seen (vLLM's own figure, ``RequestOutput.metrics.
   first_token_latency``: what ``vllm:time_to_first_token_seconds`` reports), median over
@@ -287,13 +291,12 @@ def _measure(
     batches: list[list[list[int]]],
     prof: _Profile,
     tag: str,
-) -> dict[str, float]:
+) -> dict[str, list[float]]:
     _ttft(llm, prompts[-1][:512])  # warm-up (distinct tokens)
     cold = prof.run(f"{tag}-cold", lambda: [_ttft(llm, p, prof) for p in prompts[:-1]])
     llm.reset_prefix_cache()
     warm = prof.run(f"{tag}-warm", lambda: [_ttft(llm, p, prof) for p in prompts[:-1]])
     tputs = prof.run(f"{tag}-tput", lambda: [_throughput(llm, b) for b in batches])
-    tput = statistics.median(tputs)
     print(
         f"{tag}: TTFT per request (ms), cold "
         + " ".join(f"{1e3 * t:.1f}" for t, _ in cold)
@@ -304,12 +307,60 @@ def _measure(
         flush=True,
     )
     return {
-        "cold": statistics.median(t for t, _ in cold),
-        "warm": statistics.median(t for t, _ in warm),
-        "cold_wall": statistics.median(w for _, w in cold),
-        "warm_wall": statistics.median(w for _, w in warm),
-        "tput": tput,
+        "cold": [t for t, _ in cold],
+        "warm": [t for t, _ in warm],
+        "cold_wall": [w for _, w in cold],
+        "warm_wall": [w for _, w in warm],
+        "tput": tputs,
     }
+
+
+def _pooled(rounds: list[dict[str, list[float]]]) -> dict[str, float]:
+    """Medians over every round's samples of one engine."""
+    return {
+        name: statistics.median(x for r in rounds for x in r[name])
+        for name in ("cold", "warm", "cold_wall", "warm_wall", "tput")
+    }
+
+
+def _run_engine(
+    variant: str,
+    model: Path,
+    kv: dict[str, Any],
+    max_len: int,
+    prompts: list[list[int]],
+    batches: list[list[list[int]]],
+    prof: _Profile,
+    tag: str,
+) -> dict[str, list[float]]:
+    """One fresh engine (``base``: vLLM alone; ``lmcache``: with ``kv``, an empty tier and its
+    host pool pinned before timing) measured by :func:`_measure`, then shut down."""
+    from lmcache.tiers import reset_process_cpu_tiers
+    from lmcache_vllm.vllm_v1_adapter import live_engines
+
+    reset_process_cpu_tiers()
+    llm = _engine(model, kv if variant == "lmcache" else None, max_len)
+    try:
+        if variant == "base":
+            return _measure(llm, prompts, batches, prof, tag)
+        for engine in live_engines():
+            engine.pool.wait_prepinned(timeout=300)  # pinning is not what this measures
+        out = _measure(llm, prompts, batches, prof, tag)
+        for engine in live_engines():
+            m = engine.metrics
+            names = (
+                "stored_chunks",
+                "hit_tokens",
+                "loaded_chunks",
+                "evicted_chunks",
+                "failed_allocations",
+                "checksum_failures",
+                "tier_errors",
+            )
+            print(f"{tag}:", ", ".join(f"{n}={m.value(n):.0f}" for n in names))
+        return out
+    finally:
+        _shutdown(llm)
 
 
 def _cold_variant(
@@ -380,6 +431,13 @@ def main() -> None:
     )
     parser.add_argument("--cold-reps", type=int, default=15)
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="fresh engines per variant, in ABBA order (base, lmcache, lmcache, base, ...); the "
+        "figures are medians over every round's samples, and each round's ratios are printed",
+    )
+    parser.add_argument(
         "--cprofile-hooks",
         default="",
         metavar="LIST",
@@ -412,9 +470,7 @@ def main() -> None:
 
     import torch
 
-    from lmcache.tiers import reset_process_cpu_tiers
     from lmcache_vllm.testing import build_tiny_llama, make_prompt
-    from lmcache_vllm.vllm_v1_adapter import live_engines
 
     if not torch.cuda.is_available():
         raise SystemExit("vllm_gpu.py needs a CUDA GPU")
@@ -454,13 +510,6 @@ def main() -> None:
         hooks=[h for h in args.cprofile_hooks.split(",") if h],
         jobs=args.cprofile_jobs,
     )
-    base_llm = _engine(model, None, max_len)
-    try:
-        base = _measure(base_llm, prompts, batches, prof, "base")
-    finally:
-        _shutdown(base_llm)
-
-    reset_process_cpu_tiers()
     extra: dict[str, Any] = {"lmcache.max_local_cpu_size": 8.0}
     if args.checksum != "default":
         extra["lmcache.checksum"] = args.checksum == "on"
@@ -469,25 +518,27 @@ def main() -> None:
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
     }
-    lm_llm = _engine(model, kv, max_len)
-    try:
-        for engine in live_engines():
-            engine.pool.wait_prepinned(timeout=300)  # pinning is not what this measures
-        lm = _measure(lm_llm, prompts, batches, prof, "lmcache")
-        for engine in live_engines():
-            m = engine.metrics
-            names = (
-                "stored_chunks",
-                "hit_tokens",
-                "loaded_chunks",
-                "evicted_chunks",
-                "failed_allocations",
-                "checksum_failures",
-                "tier_errors",
+    samples: dict[str, list[dict[str, list[float]]]] = {"base": [], "lmcache": []}
+    for rnd in range(args.rounds):
+        # ABBA: the machine's drift over a run weighs on both engines alike
+        order = ("base", "lmcache") if rnd % 2 == 0 else ("lmcache", "base")
+        for variant in order:
+            tag = variant if args.rounds == 1 else f"{variant}{rnd + 1}"
+            samples[variant].append(
+                _run_engine(variant, model, kv, max_len, prompts, batches, prof, tag)
             )
-            print("lmcache:", ", ".join(f"{n}={m.value(n):.0f}" for n in names))
-    finally:
-        _shutdown(lm_llm)
+    base, lm = _pooled(samples["base"]), _pooled(samples["lmcache"])
+    if args.rounds > 1:
+        for rnd in range(args.rounds):
+            b, m = (
+                _pooled(samples["base"][rnd : rnd + 1]),
+                _pooled(samples["lmcache"][rnd : rnd + 1]),
+            )
+            print(
+                f"round {rnd + 1}: cold {1e3 * b['cold']:.1f} / {1e3 * m['cold']:.1f} ms "
+                f"({100 * (m['cold'] / b['cold'] - 1):+.1f} %), warm {b['warm'] / m['warm']:.2f}x, "
+                f"throughput {100 * m['tput'] / b['tput']:.1f} %"
+            )
 
     prof.report()
     for variant in filter(None, args.cold_variants.split(",")):
