@@ -5,12 +5,14 @@ vLLM's in-tree wrapper (``vllm/distributed/kv_transfer/kv_connector/v1/lmcache_c
 the class LMCache users select with ``"kv_connector": "LMCacheConnectorV1"``) builds our
 :class:`~lmcache_vllm.vllm_v1_adapter.LMCacheConnectorV1Impl` and hands itself as ``parent``, but
 it forwards neither ``reset_cache`` (so ``reset_prefix_cache(reset_connector=True)`` would leave
-lmcache full), nor the connector stats and Prometheus counters, nor ``handle_preemptions``; and it
+lmcache full), nor the connector stats and Prometheus counters, nor ``handle_preemptions``, nor
+``shutdown`` (so an engine shut down would leave its queued saves unfinished, its lookup socket
+bound and its cache engine open until garbage collection; vLLM 0.26 and 0.32 alike); and it
 picks its CUDA-graph mode from ``extra_config["use_layerwise"]`` only, missing a layerwise mode set
 by ``lmcache.use_layerwise``, ``LMCACHE_USE_LAYERWISE`` or the YAML file.
 
 - :func:`adopt_in_tree_wrapper` binds the per-instance methods on the wrapper object that built
-  us (``reset_cache``, ``get_kv_connector_stats``, ``handle_preemptions``).
+  us (``reset_cache``, ``get_kv_connector_stats``, ``handle_preemptions``, ``shutdown``).
 - :func:`patch_in_tree_class` gives the wrapper *class* our ``build_kv_connector_stats``,
   ``build_prom_metrics`` and ``requires_piecewise_for_cudagraph``. vLLM calls these on the class
   in its front-end process, where no connector instance exists, so our ``vllm.general_plugins``
@@ -83,8 +85,8 @@ def patch_in_tree_class() -> bool:
 
 
 def adopt_in_tree_wrapper(parent: Any, impl: Any) -> None:
-    """Bind ``impl``'s ``reset_cache``, stats and ``handle_preemptions`` on the in-tree
-    wrapper object ``parent`` (which does not forward them)."""
+    """Bind ``impl``'s ``reset_cache``, stats, ``handle_preemptions`` and ``shutdown`` on the
+    in-tree wrapper object ``parent`` (which does not forward them)."""
 
     def get_kv_connector_stats() -> Any:
         data = impl.take_stats()
@@ -100,4 +102,5 @@ def adopt_in_tree_wrapper(parent: Any, impl: Any) -> None:
     parent.reset_cache = impl.reset_cache
     parent.get_kv_connector_stats = get_kv_connector_stats
     parent.handle_preemptions = handle_preemptions
+    parent.shutdown = impl.shutdown  # the base class's is a no-op
     patch_in_tree_class()

@@ -14,7 +14,8 @@ processes). The lifecycle:
    a token counts only when every rank holds its shard. The worker leases the hit chunks under
    ``req_id`` when it answers, so the load that follows finds them. A rank whose server lives in
    the client's own process (vLLM's scheduler and a single worker share the engine-core
-   process) is called directly: same answer, no socket round trip.
+   process) is called directly: same answer, no socket round trip; when every rank is, no frame
+   is packed either (the query's limits are checked, its token ids where their keys are made).
 3. :meth:`LookupClient.clear` asks every rank to empty its cache (``reset_prefix_cache``).
 4. :meth:`LookupServer.close` stops serving and removes the socket file, but only if the file at
    the path is still the one it bound (a newer server may have replaced it).

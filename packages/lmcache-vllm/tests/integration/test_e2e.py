@@ -165,6 +165,36 @@ def test_reset_prefix_cache_with_connector_empties_lmcache(model_dir, baseline, 
         shutdown_engine(llm)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, MODULE_PATH_KTC],
+    ids=["in-tree-name", "module-path"],
+)
+def test_engine_shutdown_reaches_lmcache(model_dir, baseline, config):
+    """Shutting the engine down shuts lmcache's worker down through every loading way (vLLM's
+    in-tree wrapper does not forward ``shutdown`` itself): its cache engine is closed, its lookup
+    socket removed, and what it saved stays for the next engine."""
+    from vllm import LLM, SamplingParams
+
+    from lmcache_vllm.lookup import socket_path
+    from lmcache_vllm.scheduler import engine_key
+
+    from .conftest import MAX_TOKENS, engine_kwargs, live_engine, shutdown_engine
+
+    llm = LLM(**engine_kwargs(model_dir, kv_transfer_config=ktc(config)))
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": PROMPTS["c200"]}], sp, use_tqdm=False)
+        engine = live_engine()
+        sock = socket_path(engine_key(llm.llm_engine.vllm_config), 0)
+        assert sock.exists(), "no lookup socket while the engine runs"
+    finally:
+        shutdown_engine(llm)
+    assert engine._closed, "the engine's shutdown did not reach lmcache's worker"
+    assert not sock.exists(), "the lookup socket outlived its engine"
+    assert len(process_tier()) >= 3  # c200's three full chunks stay for a later engine
+
+
 def test_aborted_request_leaks_no_leases(model_dir):
     from vllm import LLM, SamplingParams
 
