@@ -6,9 +6,10 @@ One per worker process (vLLM keeps one worker-side connector per process). Per s
 1. :meth:`WorkerSide.bind`: orders this step's writes of vLLM's pages after the reads of the
    saves queued so far (vLLM may now rewrite freed or preempted blocks): on CUDA the compute
    stream waits on the device for each save's gather, the host only until the gathers are
-   enqueued; then queues the planning of this step's batched saves on the copy thread (chunk
-   keys, host buffers, one copy plan for all of them: it runs while the step computes) and
-   releases leases of preempted requests and stale ones.
+   enqueued; then notes this step's batched saves and releases leases of preempted requests and
+   stale ones. Their planning (chunk keys, host buffers, one copy plan for all of them) is
+   queued on the copy thread at the forward's last layer (:meth:`WorkerSide.save_kv_layer`),
+   once vLLM's thread has enqueued the forward, and runs while the step computes.
 2. :meth:`WorkerSide.start_load_kv`: loads every request's hit from the chunks this rank leased
    at lookup (:mod:`lmcache_vllm.held_hits`). On CUDA the copies are enqueued on a load stream
    and the compute stream waits for them on the device (batched: all layers at once;
@@ -98,6 +99,7 @@ class _StepSaves:
     live: list[_PlannedSave] = dataclasses.field(default_factory=list)
     batch: StoreBatch | None = None
     spec: TransferSpec | None = None
+    queued: bool = False  # its plan job is on the copy thread
 
     @property
     def label(self) -> str:
@@ -433,11 +435,17 @@ class WorkerSide:
             self._load_errors.update(req.block_ids[first:end])
 
     def save_kv_layer(self, layer_name: str) -> None:
-        """Layerwise: queue the copy of ``layer_name`` for every request saving this step."""
+        """Layerwise: queue the copy of ``layer_name`` for every request saving this step.
+        Batched: at the last layer (the forward is enqueued but for its head), queue the
+        planning of this step's saves."""
         engine = self.lmcache_engine
         layer = self._layer_ids.get(layer_name)
         lw = self._layerwise
-        if not self.config.use_layerwise or engine is None or layer is None or lw is None:
+        if not self.config.use_layerwise:
+            if layer is not None and layer == len(self._layer_ids) - 1:
+                self._queue_plan()
+            return
+        if engine is None or layer is None or lw is None:
             return
         if not lw.saves_started:
             meta = self._meta()
@@ -477,11 +485,11 @@ class WorkerSide:
             self._stats.save_seconds += seconds
 
     def _plan_saves(self, meta: LMCacheConnectorMetadata) -> None:
-        """Batched mode: queue the host side of this step's saves (chunk keys, host buffers,
-        the connector's plan of one copy for all of them) on the copy thread now, while the
-        step computes their KV, so that after the step only one copy is left to enqueue."""
-        engine = self.lmcache_engine
-        if engine is None or self.config.use_layerwise:
+        """Batched mode: note this step's saves (a lookup of the same prompt waits for them
+        from now on); their host side (chunk keys, host buffers, the connector's plan of one
+        copy for all of them) is planned on the copy thread while the step computes their KV
+        (:meth:`_queue_plan`), so that after the step only one copy is left to enqueue."""
+        if self.lmcache_engine is None or self.config.use_layerwise:
             return
         saves = []
         for req in meta.requests:
@@ -489,9 +497,19 @@ class WorkerSide:
                 tokens = req.token_ids[: req.save.end]
                 saves.append(_PlannedSave(req, tokens, self._unpublished.add(req.salt, tokens)))
         if saves:
-            step = _StepSaves(saves)
-            self._planned = step
-            self._saves.submit(step.label, partial(self._plan_job, engine, step))
+            self._planned = _StepSaves(saves)
+
+    def _queue_plan(self) -> None:
+        """Queue the planning of this step's saves on the copy thread, once: at the forward's
+        last layer (vLLM's thread has enqueued nearly all of the forward, so the planning's
+        Python no longer competes with it for the GIL while the GPU could starve; it then
+        waits on the GPU), else at ``wait_for_save`` (a forward whose layers do not call
+        ``save_kv_layer``, e.g. inside a CUDA graph)."""
+        step, engine = self._planned, self.lmcache_engine
+        if step is None or step.queued or engine is None:
+            return
+        step.queued = True
+        self._saves.submit(step.label, partial(self._plan_job, engine, step))
 
     def _plan_job(self, engine: LMCacheEngine, step: _StepSaves) -> None:
         """Copy thread: plan every save of ``step`` (one failing drops only that one), then
@@ -554,12 +572,14 @@ class WorkerSide:
             self._unpublished.done(save.job)
 
     def wait_for_save(self) -> None:
-        """Queue the copy of this step's saves (planned at bind) and return at once; finish
-        this step's enqueued loads (their leases go, failed ones become load errors)."""
+        """Queue the copy of this step's saves (planned during the forward) and return at
+        once; finish this step's enqueued loads (their leases go, failed ones become load
+        errors)."""
         if self._layerwise is not None:
             self._layerwise.finish()  # layerwise: queues this step's commits
         if self.config.use_layerwise:
             return
+        self._queue_plan()
         step, self._planned = self._planned, None
         if step is None:
             return

@@ -220,9 +220,11 @@ def test_lookup_right_after_a_save_waits_for_it(rig):
 
 
 def test_a_save_stores_the_kv_the_step_wrote_after_it_was_planned(rig):
-    """Batched saves are planned (keys, buffers, the connector's plan) when the step binds, on
-    the save thread, while the step computes; what is stored is what the forward wrote into the
-    pages, never what they held when the plan ran."""
+    """Batched saves are planned (keys, buffers, the connector's plan) on the save thread once
+    vLLM's thread has enqueued the forward (at the last layer's ``save_kv_layer``), while the
+    step computes; what is stored is what the forward wrote into the pages, never what they
+    held when the plan ran."""
+    layerwise = rig.worker.config.use_layerwise
     a = _prompt(50)
     blocks = rig.blocks(PROMPT)
     for c in rig.caches.values():
@@ -232,18 +234,45 @@ def test_a_save_stores_the_kv_the_step_wrote_after_it_was_planned(rig):
     )
     rig.worker.bind(rig.meta)
     rig.worker.start_load_kv()
-    assert rig.worker._saves.wait(timeout=30)  # the plan ran, long before the KV exists
+    assert rig.worker._saves.wait(timeout=30)
     pool = rig.worker.lmcache_engine.pool
-    assert pool.used_bytes == (0 if rig.worker.config.use_layerwise else 4 * CHUNK_BYTES)
-    for name, c in rig.caches.items():  # the forward writes each layer's KV
+    assert pool.used_bytes == 0  # nothing planned while vLLM's thread enqueues the forward
+    for name, c in rig.caches.items():
         rig.worker.wait_for_layer_load(name)
-        c[blocks] = torch.randn_like(c[blocks])
+        if layerwise:  # each layer is copied at its save_kv_layer: written before it
+            c[blocks] = torch.randn_like(c[blocks])
         rig.worker.save_kv_layer(name)
+    if not layerwise:
+        assert rig.worker._saves.wait(timeout=30)  # the plan ran, long before the KV exists
+        assert pool.used_bytes == 4 * CHUNK_BYTES
+        for c in rig.caches.values():  # the device runs the forward's writes after that
+            c[blocks] = torch.randn_like(c[blocks])
     written = rig.pages(blocks).clone()
     rig.worker.wait_for_save()
     assert rig.worker._saves.wait(timeout=30)
 
     rig.check_hit("r", a, written)
+
+
+def test_a_step_without_layer_hooks_still_saves(rig):
+    """A forward whose layers never call ``save_kv_layer`` (e.g. replayed from a CUDA graph)
+    still saves: the planning is queued at ``wait_for_save`` instead."""
+    a = _prompt(51)
+    blocks = rig.blocks(PROMPT)
+    rig.meta = LMCacheConnectorMetadata(
+        requests=[ReqMeta("g", a, blocks, save=SaveSpec(skip=0, end=PROMPT))]
+    )
+    rig.worker.bind(rig.meta)
+    rig.worker.start_load_kv()
+    for c in rig.caches.values():
+        c[blocks] = torch.randn_like(c[blocks])
+    written = rig.pages(blocks).clone()
+    rig.worker.wait_for_save()
+    assert rig.worker._saves.wait(timeout=30)
+    if rig.worker.config.use_layerwise:  # layerwise saves are per layer hook: nothing saved
+        assert len(rig.worker.lmcache_engine.tier) == 0
+        return
+    rig.check_hit("g", a, written)
 
 
 def test_a_steps_saves_are_copied_in_one_connector_call(rig, monkeypatch):
