@@ -547,7 +547,7 @@ def main() -> None:
         med = _cold_variant(variant, model, kv, max_len, cold_prompts)
         print(
             f"variant {variant:<12} cold TTFT median of {args.cold_reps}: {1e3 * med:.1f} ms "
-            f"({100 * (med / base['cold'] - 1):+.1f} % against the first vLLM alone)",
+            f"({100 * (med / base['cold'] - 1):+.1f} % against vLLM alone above)",
             flush=True,
         )
     cold_pct = 100 * (lm["cold"] / base["cold"] - 1)
