@@ -11,8 +11,9 @@ construct ``LMCacheConnectorV1Impl(vllm_config, role, parent)`` and delegate to 
 :mod:`lmcache_vllm.connector_metadata`.
 
 vLLM's in-tree wrapper forwards neither ``reset_cache``, nor the connector stats, nor
-``handle_preemptions``, nor ``shutdown``: when ``parent`` is that wrapper, this class attaches them to it
-(:func:`lmcache_vllm.in_tree.adopt_in_tree_wrapper`), so the in-tree name gets every feature.
+``handle_preemptions``, nor ``shutdown``: when ``parent`` is that wrapper, this class attaches
+them to it (:func:`lmcache_vllm.in_tree.adopt_in_tree_wrapper`), so the in-tree name gets every
+feature.
 """
 
 from __future__ import annotations
