@@ -29,11 +29,12 @@ warm at least 3x faster than recompute.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -323,55 +324,19 @@ def _pooled(rounds: list[dict[str, list[float]]]) -> dict[str, float]:
     }
 
 
-def _run_engine(
-    variant: str,
-    model: Path,
-    kv: dict[str, Any],
-    max_len: int,
-    prompts: list[list[int]],
-    batches: list[list[list[int]]],
-    prof: _Profile,
-    tag: str,
-) -> dict[str, list[float]]:
-    """One fresh engine (``base``: vLLM alone; ``lmcache``: with ``kv``, an empty tier and its
-    host pool pinned before timing) measured by :func:`_measure`, then shut down."""
+_VARIANTS = ("base", "lmcache", "no-save")
+
+
+@contextlib.contextmanager
+def _fresh_engine(variant: str, model: Path, kv: dict[str, Any], max_len: int) -> Iterator[Any]:
+    """A fresh engine of ``variant`` (``base``: vLLM alone; ``lmcache``: with ``kv``;
+    ``no-save``: ``kv`` as ``kv_consumer``, lookups only) over an empty process tier, its host
+    pool pinned before it is used (pinning is not what this measures); shut down after."""
     from lmcache.tiers import reset_process_cpu_tiers
     from lmcache_vllm.vllm_v1_adapter import live_engines
 
-    reset_process_cpu_tiers()
-    llm = _engine(model, kv if variant == "lmcache" else None, max_len)
-    try:
-        if variant == "base":
-            return _measure(llm, prompts, batches, prof, tag)
-        for engine in live_engines():
-            engine.pool.wait_prepinned(timeout=300)  # pinning is not what this measures
-        out = _measure(llm, prompts, batches, prof, tag)
-        for engine in live_engines():
-            m = engine.metrics
-            names = (
-                "stored_chunks",
-                "hit_tokens",
-                "loaded_chunks",
-                "evicted_chunks",
-                "failed_allocations",
-                "checksum_failures",
-                "tier_errors",
-            )
-            print(f"{tag}:", ", ".join(f"{n}={m.value(n):.0f}" for n in names))
-        return out
-    finally:
-        _shutdown(llm)
-
-
-def _cold_variant(
-    variant: str, model: Path, kv: dict[str, Any], max_len: int, prompts: list[list[int]]
-) -> float:
-    """Median cold TTFT of ``prompts[:-1]`` on a fresh engine of ``variant``."""
-    from lmcache.tiers import reset_process_cpu_tiers
-    from lmcache_vllm.vllm_v1_adapter import live_engines
-
-    if variant not in ("base", "lmcache", "no-save"):
-        raise SystemExit(f"--cold-variants: unknown variant {variant!r}")
+    if variant not in _VARIANTS:
+        raise SystemExit(f"unknown engine variant {variant!r}; expected one of {_VARIANTS}")
     config: dict[str, Any] | None = None
     if variant != "base":
         config = dict(kv)
@@ -382,10 +347,48 @@ def _cold_variant(
     try:
         for engine in live_engines():
             engine.pool.wait_prepinned(timeout=300)
-        _ttft(llm, prompts[-1][:512])
-        cold = [_ttft(llm, p)[0] for p in prompts[:-1]]
+        yield llm
     finally:
         _shutdown(llm)
+
+
+def _run_engine(
+    variant: str,
+    model: Path,
+    kv: dict[str, Any],
+    max_len: int,
+    prompts: list[list[int]],
+    batches: list[list[list[int]]],
+    prof: _Profile,
+    tag: str,
+) -> dict[str, list[float]]:
+    """:func:`_measure` on a :func:`_fresh_engine` of ``variant``; lmcache's counters printed."""
+    from lmcache_vllm.vllm_v1_adapter import live_engines
+
+    with _fresh_engine(variant, model, kv, max_len) as llm:
+        out = _measure(llm, prompts, batches, prof, tag)
+        names = (
+            "stored_chunks",
+            "hit_tokens",
+            "loaded_chunks",
+            "evicted_chunks",
+            "failed_allocations",
+            "checksum_failures",
+            "tier_errors",
+        )
+        for engine in live_engines():
+            m = engine.metrics
+            print(f"{tag}:", ", ".join(f"{n}={m.value(n):.0f}" for n in names))
+    return out
+
+
+def _cold_variant(
+    variant: str, model: Path, kv: dict[str, Any], max_len: int, prompts: list[list[int]]
+) -> float:
+    """Median cold TTFT of ``prompts[:-1]`` on a :func:`_fresh_engine` of ``variant``."""
+    with _fresh_engine(variant, model, kv, max_len) as llm:
+        _ttft(llm, prompts[-1][:512])
+        cold = [_ttft(llm, p)[0] for p in prompts[:-1]]
     print(f"{variant}: cold TTFT per request (ms) " + " ".join(f"{1e3 * t:.1f}" for t in cold))
     return statistics.median(cold)
 
