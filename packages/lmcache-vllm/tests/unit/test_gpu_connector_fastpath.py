@@ -361,6 +361,21 @@ def test_chunks_at_a_constant_step_merge_into_one_strided_run():
         assert [(r.rows, r.piece) for r in grouped.runs] == [(3, 0), (3, 1)]
 
 
+def _recorded_runtime(monkeypatch, copy_fn: str):
+    """``(lib, calls)``: a stand-in CUDA runtime for ``fused_transfer._cudart`` whose
+    ``copy_fn`` records its arguments in ``calls`` and returns ``lib.rc`` (0: success; set it to
+    fail), with the runtime's error string for a failure."""
+    from types import SimpleNamespace
+
+    from lmcache_vllm import fused_transfer as ft
+
+    calls: list[tuple[int, ...]] = []
+    lib = SimpleNamespace(rc=0, cudaGetErrorString=lambda rc: b"invalid argument")
+    setattr(lib, copy_fn, lambda *a: (calls.append(a), lib.rc)[1])
+    monkeypatch.setattr(ft, "_cudart", lambda: lib)
+    return lib, calls
+
+
 def test_a_strided_run_is_one_runtime_call_with_both_pitches(monkeypatch):
     """``_memcpy_2d`` hands the CUDA runtime one 2D copy per strided run: destination and source
     with their own pitches, the row width and count, the direction and the stream; a runtime
@@ -373,13 +388,7 @@ def test_a_strided_run_is_one_runtime_call_with_both_pitches(monkeypatch):
     md = _md("lbnhc")
     conn = _conn("lbnhc", md, _caches("lbnhc", md, "cpu", 15), True)
     rng = [(0, 8), (8, 16), (16, 24)]
-    calls: list[tuple[int, ...]] = []
-    lib = SimpleNamespace(
-        rc=0,
-        cudaMemcpy2DAsync=lambda *a: (calls.append(a), lib.rc)[1],
-        cudaGetErrorString=lambda rc: b"invalid argument",
-    )
-    monkeypatch.setattr(ft, "_cudart", lambda: lib)
+    lib, calls = _recorded_runtime(monkeypatch, "cudaMemcpy2DAsync")
     with _buffers(conn, rng, "scattered") as bufs:
         chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, bufs, strict=True)]
         plan = conn._plan(range(LAYERS), chunks, 0, 0)
@@ -413,13 +422,7 @@ def test_a_plain_run_is_one_runtime_call(monkeypatch):
     md = _md("lbnhc")
     conn = _conn("lbnhc", md, _caches("lbnhc", md, "cpu", 16), True)
     rng = [(0, 8), (8, 16), (16, 20)]
-    calls: list[tuple[int, ...]] = []
-    lib = SimpleNamespace(
-        rc=0,
-        cudaMemcpyAsync=lambda *a: (calls.append(a), lib.rc)[1],
-        cudaGetErrorString=lambda rc: b"invalid argument",
-    )
-    monkeypatch.setattr(ft, "_cudart", lambda: lib)
+    lib, calls = _recorded_runtime(monkeypatch, "cudaMemcpyAsync")
     with _buffers(conn, rng, "adjacent") as bufs:
         chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, bufs, strict=True)]
         plan = conn._plan(range(LAYERS), chunks, 0, 0)
