@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Saves off the step: a two-stage pipeline of copy jobs and commit jobs on background threads.
 
-The worker queues the planning of a step's saves when the step binds (a job on the copy thread,
-while the step computes) and their copy in ``wait_for_save``, returning at once. A save is two
+The worker queues the planning of a step's saves at the forward's last layer (a job on the copy
+thread, while the step computes) and their copy in ``wait_for_save``, returning at once. A save is two
 jobs after its plan:
 
 1. **copy** (copier thread, in submission order): copies the KV out of vLLM's pages into leased
@@ -23,20 +23,27 @@ which the step's streams wait on *on the device*. So a block is never rewritten 
 reads it, the step never waits on the host for a transfer, and vLLM frees blocks at once
 (``request_finished`` returns ``False``), as its own OffloadingConnector does.
 
+On CUDA a commit's Python (publishing a step's chunks: about a millisecond for a 16k-token save)
+is held back by a :class:`QuietGate` until vLLM's thread is likely waiting on the device (a later
+forward is enqueued and still running), so it does not compete for the GIL with the scheduling
+and input preparation of the next step, while the GPU waits for them. Anyone who needs the
+chunks published (a lookup of the same prompt, a reset, shutdown) hurries the gate.
+
 A job that raises is logged and dropped (its chunks are not stored); the threads never die of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
-__all__ = ["CommitJob", "CopyJob", "ReadFence", "SaveQueue", "UnpublishedSaves"]
+__all__ = ["CommitJob", "CopyJob", "QuietGate", "ReadFence", "SaveQueue", "UnpublishedSaves"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +75,79 @@ class ReadFence:
     def wait(self, timeout: float | None) -> bool:
         """Whether the fence was released within ``timeout`` seconds."""
         return self._released.wait(timeout)
+
+
+class QuietGate:
+    """Holds a commit back until vLLM's thread is likely waiting on the device.
+
+    vLLM's thread enqueues a forward, then waits for the GPU to finish it; right after, it
+    schedules and prepares the next step while the GPU idles. A background thread running
+    Python then (holding the GIL) delays that thread, and the GPU with it. The worker calls
+    :meth:`forward_enqueued` with a CUDA event recorded after each forward it enqueued; a commit
+    waits in :meth:`wait` until the latest such event has not completed yet (the GPU is busy with
+    a forward, vLLM's thread waits on it), someone hurries (:meth:`hurry`: a lookup of the
+    chunks, a reset, shutdown), or :attr:`max_wait_s` passed (the engine went idle).
+
+    Args:
+        max_wait_s: Longest a commit is held back.
+    """
+
+    def __init__(self, max_wait_s: float = 0.05) -> None:
+        self.max_wait_s = max_wait_s
+        self._cond = threading.Condition()
+        self._event: Any = None
+        self._hurried = 0
+        self._waiting = 0
+        self._closed = False
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a commit is held back (the worker records an event only then)."""
+        return self._waiting > 0
+
+    def forward_enqueued(self, event: Any) -> None:
+        """A forward was enqueued; ``event`` (with ``query()``) completes when it is done."""
+        with self._cond:
+            self._event = event
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def hurry(self) -> Iterator[None]:
+        """While inside, nothing is held back."""
+        with self._cond:
+            self._hurried += 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._hurried -= 1
+
+    def close(self) -> None:
+        """Hold nothing back from now on."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _open(self) -> bool:
+        if self._hurried or self._closed:
+            return True
+        event = self._event
+        return event is not None and not event.query()
+
+    def wait(self) -> None:
+        """Return when a commit may run (see the class docstring)."""
+        deadline = time.monotonic() + self.max_wait_s
+        with self._cond:
+            self._waiting += 1
+            try:
+                while not self._open():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return
+                    self._cond.wait(left)
+            finally:
+                self._waiting -= 1
 
 
 class _Stage:
@@ -128,6 +208,8 @@ class SaveQueue:
     """
 
     def __init__(self, name: str = "lmcache-save") -> None:
+        self.gate = QuietGate()
+        """Commit jobs call ``gate.wait()`` before publishing (see :class:`QuietGate`)."""
         self._commits = _Stage(f"{name}-commit", self._run_commit)
         self._copies = _Stage(f"{name}-copy", self._run_copy)
         self._fences: deque[ReadFence] = deque()
@@ -206,7 +288,8 @@ class SaveQueue:
             ``False`` when ``timeout`` seconds passed first.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._copies.wait_idle(deadline) and self._commits.wait_idle(deadline)
+        with self.gate.hurry():
+            return self._copies.wait_idle(deadline) and self._commits.wait_idle(deadline)
 
     def close(self, timeout: float | None = 60.0) -> bool:
         """Finish what is queued, then stop both threads (idempotent).
@@ -214,6 +297,7 @@ class SaveQueue:
         Returns:
             ``False`` when the queue did not drain within ``timeout`` seconds.
         """
+        self.gate.close()
         drained = self.wait(timeout)
         self._copies.close()
         self._commits.close()
@@ -253,9 +337,17 @@ class UnpublishedSaves:
             self._saves.pop(job, None)
             self._cond.notify_all()
 
-    def wait_for(self, salt: str, tokens: Sequence[int], found: int, timeout: float = 0.5) -> bool:
+    def wait_for(
+        self,
+        salt: str,
+        tokens: Sequence[int],
+        found: int,
+        timeout: float = 0.5,
+        hurry: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
+    ) -> bool:
         """Wait (at most ``timeout`` s) for queued saves that would extend a hit of ``found``
-        tokens: same salt, same tokens through the first missing chunk.
+        tokens: same salt, same tokens through the first missing chunk; inside ``hurry()``
+        (e.g. :meth:`QuietGate.hurry`) while it waits.
 
         Returns:
             Whether there was such a save (look again).
@@ -271,5 +363,6 @@ class UnpublishedSaves:
         with self._cond:
             if not _blocking():
                 return False
+        with hurry() if hurry is not None else contextlib.nullcontext(), self._cond:
             self._cond.wait_for(lambda: not _blocking(), timeout)
         return True

@@ -21,14 +21,15 @@ One per worker process (vLLM keeps one worker-side connector per process). Per s
 3. :meth:`WorkerSide.wait_for_save`: queues the step's one copy of every planned save on the
    :class:`~lmcache_vllm.save_queue.SaveQueue` and returns at once (on CUDA the copy is enqueued
    on a store stream after an event recorded after the step's compute, and the commit thread
-   waits for it to reach the host, then publishes each request's chunks); layerwise,
+   waits for it to reach the host, then publishes each request's chunks once vLLM's thread is
+   likely waiting on the GPU: :class:`~lmcache_vllm.save_queue.QuietGate`); layerwise,
    :meth:`WorkerSide.save_kv_layer` queues each layer's copy the same way.
 4. :meth:`WorkerSide.get_finished`: releases finished requests' leases; nothing is held for
    lmcache, so nothing is reported as finished sending.
 
 Loads and saves share one transfer lock: a load waits for a save *enqueueing* its copy at that
 moment (the connector's planning state is not shared between concurrent calls; every transfer
-has its own device staging buffer). A save's planning at bind runs outside the lock: the only
+has its own device staging buffer). A save's planning runs outside the lock: the only
 connector state it shares with a load, the pinned slot-index ring, has a lock of its own.
 """
 
@@ -215,7 +216,7 @@ class WorkerSide:
         extra = dict(query.extra_keys) or None
         hit = engine.lookup_and_lease(query.tokens, salt=query.salt, extra_keys=extra)
         if hit.num_tokens < len(query.tokens) and self._unpublished.wait_for(
-            query.salt, query.tokens, hit.num_tokens
+            query.salt, query.tokens, hit.num_tokens, hurry=self._saves.gate.hurry
         ):
             hit.release()  # a save of the missing chunks was queued: look again
             hit = engine.lookup_and_lease(query.tokens, salt=query.salt, extra_keys=extra)
@@ -581,14 +582,22 @@ class WorkerSide:
             return
         self._queue_plan()
         step, self._planned = self._planned, None
+        cuda = self._store_stream() is not None
         if step is None:
+            if cuda and self._saves.gate.waiting:  # commits wait for a forward in flight
+                self._saves.gate.forward_enqueued(self._forward_event())
             return
-        ready = None
-        if self._store_stream() is not None:
-            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ready.record(torch.cuda.current_stream(self._registered[0].device))
+        ready = self._forward_event() if cuda else None
+        if ready is not None:
+            self._saves.gate.forward_enqueued(ready)
         fence = ReadFence()
         self._saves.submit(step.label, self._save_job(step, ready, fence), fence)
+
+    def _forward_event(self) -> Any:
+        """A CUDA event on vLLM's stream after the forward enqueued so far."""
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self._registered[0].device))
+        return event
 
     def _save_job(self, step: _StepSaves, ready: Any, fence: ReadFence) -> CopyJob:
         """The copy job of a step's planned saves (on CUDA it releases ``fence`` once vLLM's
@@ -630,6 +639,7 @@ class WorkerSide:
                 try:
                     if copied is not None:
                         copied.synchronize()  # the bytes are on the host
+                        self._saves.gate.wait()  # publish while vLLM's thread waits on the GPU
                 except BaseException:
                     for st in staged:
                         st.abort()

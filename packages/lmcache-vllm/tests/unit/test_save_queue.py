@@ -123,3 +123,118 @@ def test_close_drains_then_refuses():
     assert sorted(ran) == list(range(20))
     with pytest.raises(RuntimeError, match="after close"):
         q.submit("late", lambda: None)
+
+
+class _Event:
+    """A stand-in for a CUDA event: ``query()`` is whether the forward is done."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def _timed_wait(gate) -> float:
+    import time
+
+    start = time.monotonic()
+    gate.wait()
+    return time.monotonic() - start
+
+
+def test_gate_lets_a_commit_run_while_a_forward_is_in_flight():
+    from lmcache_vllm.save_queue import QuietGate
+
+    gate = QuietGate(max_wait_s=5.0)
+    gate.forward_enqueued(_Event(done=False))
+    assert _timed_wait(gate) < 1.0
+    assert not gate.waiting
+
+
+def test_gate_holds_a_commit_until_the_next_forward_or_its_deadline():
+    import time
+
+    from lmcache_vllm.save_queue import QuietGate
+
+    gate = QuietGate(max_wait_s=0.2)
+    gate.forward_enqueued(_Event(done=True))  # the GPU finished: vLLM's thread is busy
+    assert _timed_wait(gate) >= 0.19  # nothing came: runs at its deadline
+
+    gate.max_wait_s = 5.0
+    took: list[float] = []
+    waiter = threading.Thread(target=lambda: took.append(_timed_wait(gate)))
+    waiter.start()
+    deadline = time.monotonic() + 5.0
+    while not gate.waiting and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert gate.waiting
+    gate.forward_enqueued(_Event(done=False))  # the next forward is enqueued
+    waiter.join(5.0)
+    assert took and took[0] < 1.0
+
+
+@pytest.mark.parametrize("how", ["hurry", "close"])
+def test_gate_holds_nothing_back_when_hurried_or_closed(how):
+    import time
+
+    from lmcache_vllm.save_queue import QuietGate
+
+    gate = QuietGate(max_wait_s=5.0)
+    took: list[float] = []
+    waiter = threading.Thread(target=lambda: took.append(_timed_wait(gate)))
+    waiter.start()
+    deadline = time.monotonic() + 5.0
+    while not gate.waiting and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if how == "close":
+        gate.close()
+        waiter.join(5.0)
+    else:
+        with gate.hurry():
+            waiter.join(5.0)
+    assert took and took[0] < 1.0
+    if how == "close":
+        assert _timed_wait(gate) < 1.0  # stays open
+
+
+def test_queue_wait_hurries_a_held_commit():
+    """A reset (``SaveQueue.wait``) does not wait out the gate's deadline."""
+    import time
+
+    q = SaveQueue("t")
+    q.gate.max_wait_s = 30.0
+    q.gate.forward_enqueued(_Event(done=True))
+    published: list[str] = []
+
+    def commit() -> None:
+        q.gate.wait()
+        published.append("a")
+
+    q.submit("a", lambda: commit)
+    start = time.monotonic()
+    assert q.wait(timeout=10.0)
+    assert published == ["a"]
+    assert time.monotonic() - start < 5.0
+    assert q.close(timeout=5.0)
+
+
+def test_a_lookup_waiting_for_an_unpublished_save_hurries_only_while_it_waits():
+    from lmcache_vllm.save_queue import UnpublishedSaves
+
+    saves = UnpublishedSaves(chunk_size=4)
+    entered: list[str] = []
+
+    class _Hurry:
+        def __enter__(self):
+            entered.append("in")
+
+        def __exit__(self, *exc):
+            entered.append("out")
+
+    job = saves.add("", [1, 2, 3, 4, 5, 6, 7, 8])
+    assert not saves.wait_for("", [9, 9, 9, 9], 0, timeout=0.01, hurry=_Hurry)
+    assert entered == []  # no save it needs: no hurry
+    threading.Timer(0.05, saves.done, (job,)).start()
+    assert saves.wait_for("", [1, 2, 3, 4, 5, 6, 7, 8], 0, timeout=5.0, hurry=_Hurry)
+    assert entered == ["in", "out"]
