@@ -24,6 +24,12 @@ ratios are printed too). Per engine:
 
 Targets printed next to the figures: cold within +2 %, throughput at least 99 % of no-lmcache,
 warm at least 3x faster than recompute.
+
+``--gpu-trace`` adds, per engine, where the GPU's time went during the throughput batches
+(``torch.profiler``, CUDA activity only): kernel time on vLLM's stream and on lmcache's streams,
+idle time, and the copies on other streams. ``--first-prefix-hit`` measures something else
+instead: vLLM alone's own prefix-cache hits in a fresh process (the first prefill over cached
+context of a process is slow, with or without lmcache).
 """
 
 from __future__ import annotations
@@ -286,18 +292,77 @@ def _thread_cpu() -> dict[int, float]:
     return out
 
 
+def _gpu_time(trace: Path) -> str:
+    """Where the GPU's time went in a ``torch.profiler`` Chrome trace (CUDA activity): kernel
+    time per stream (the busiest is vLLM's), idle time between kernels, copies per stream."""
+    import collections
+    import json
+
+    events = [
+        e
+        for e in json.loads(trace.read_text())["traceEvents"]
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")
+    ]
+    kernels = sorted((e for e in events if e["cat"] == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        return "no kernels traced"
+    per: dict[tuple[str, Any], float] = collections.defaultdict(float)
+    for e in events:
+        per[(e["cat"], e.get("args", {}).get("stream"))] += e["dur"]
+    main = max((k for k in per if k[0] == "kernel"), key=lambda k: per[k])
+    busy, lo, hi = 0.0, kernels[0]["ts"], kernels[0]["ts"]
+    for e in kernels:  # union of kernel intervals over every stream
+        start, end = e["ts"], e["ts"] + e["dur"]
+        if start > hi:
+            busy += hi - lo
+            lo = start
+        hi = max(hi, end)
+    busy += hi - lo
+    span = max(e["ts"] + e["dur"] for e in kernels) - kernels[0]["ts"]
+    other = sum(v for k, v in per.items() if k[0] == "kernel" and k != main)
+    copies = ", ".join(
+        f"stream {k[1]} {v / 1e3:.1f} ms" for k, v in sorted(per.items()) if k[0] == "gpu_memcpy"
+    )
+    return (
+        f"span {span / 1e3:.1f} ms, kernels busy {busy / 1e3:.1f} ms (vLLM's stream "
+        f"{per[main] / 1e3:.1f}, other streams {other / 1e3:.1f}), idle {(span - busy) / 1e3:.1f} "
+        f"ms; copies: {copies}"
+    )
+
+
+def _traced(fn: Any) -> tuple[Any, str]:
+    """``(fn(), _gpu_time of the GPU work while it ran)``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as tracer:
+        out = fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        tracer.export_chrome_trace(str(path))
+        return out, _gpu_time(path)
+
+
 def _measure(
     llm: Any,
     prompts: list[list[int]],
     batches: list[list[list[int]]],
     prof: _Profile,
     tag: str,
+    trace: bool = False,
 ) -> dict[str, list[float]]:
     _ttft(llm, prompts[-1][:512])  # warm-up (distinct tokens)
     cold = prof.run(f"{tag}-cold", lambda: [_ttft(llm, p, prof) for p in prompts[:-1]])
     llm.reset_prefix_cache()
     warm = prof.run(f"{tag}-warm", lambda: [_ttft(llm, p, prof) for p in prompts[:-1]])
-    tputs = prof.run(f"{tag}-tput", lambda: [_throughput(llm, b) for b in batches])
+
+    def tput_run() -> list[float]:
+        return [_throughput(llm, b) for b in batches]
+
+    if trace:
+        tputs, gpu = _traced(tput_run)
+        print(f"{tag}: GPU during the throughput batches: {gpu}", flush=True)
+    else:
+        tputs = prof.run(f"{tag}-tput", tput_run)
     print(
         f"{tag}: TTFT per request (ms), cold "
         + " ".join(f"{1e3 * t:.1f}" for t, _ in cold)
@@ -361,12 +426,13 @@ def _run_engine(
     batches: list[list[list[int]]],
     prof: _Profile,
     tag: str,
+    trace: bool = False,
 ) -> dict[str, list[float]]:
     """:func:`_measure` on a :func:`_fresh_engine` of ``variant``; lmcache's counters printed."""
     from lmcache_vllm.vllm_v1_adapter import live_engines
 
     with _fresh_engine(variant, model, kv, max_len) as llm:
-        out = _measure(llm, prompts, batches, prof, tag)
+        out = _measure(llm, prompts, batches, prof, tag, trace)
         names = (
             "stored_chunks",
             "hit_tokens",
@@ -391,6 +457,20 @@ def _cold_variant(
         cold = [_ttft(llm, p)[0] for p in prompts[:-1]]
     print(f"{variant}: cold TTFT per request (ms) " + " ".join(f"{1e3 * t:.1f}" for t in cold))
     return statistics.median(cold)
+
+
+def _first_prefix_hit(model: Path, max_len: int, prompts: list[list[int]]) -> None:
+    """vLLM alone, a fresh process: cold prompts, then the same prompts again without a reset
+    (vLLM's own prefix-cache hits), every TTFT printed."""
+    with _fresh_engine("base", model, {}, max_len) as llm:
+        _ttft(llm, prompts[-1][:512])
+        cold = [_ttft(llm, p)[0] for p in prompts[:-1]]
+        hits = [_ttft(llm, p)[0] for p in prompts[:-1]]
+    print("vLLM alone, cold TTFT (ms): " + " ".join(f"{1e3 * t:.1f}" for t in cold))
+    print(
+        "vLLM alone, its own prefix-cache hits, the first of this process first (ms): "
+        + " ".join(f"{1e3 * t:.1f}" for t in hits)
+    )
 
 
 def main() -> None:
@@ -460,6 +540,18 @@ def main() -> None:
         help="with --profile: only the hook times, save jobs and thread CPU (cProfile sees "
         "every thread and slows lmcache's Python several times over)",
     )
+    parser.add_argument(
+        "--gpu-trace",
+        action="store_true",
+        help="per engine, where the GPU's time went during the throughput batches "
+        "(torch.profiler, CUDA activity): kernel time per stream, idle time, copies",
+    )
+    parser.add_argument(
+        "--first-prefix-hit",
+        action="store_true",
+        help="instead of the comparison: vLLM alone's own prefix-cache hits in this fresh "
+        "process, the first hit of the process first",
+    )
     args = parser.parse_args()
     if args.sync_saves:
         from lmcache_vllm.save_queue import SaveQueue
@@ -507,6 +599,9 @@ def main() -> None:
         f"Llama-3-8B attention (32 q / 8 kv heads of 128), bf16, prompt {args.tokens} tokens"
     )
 
+    if args.first_prefix_hit:
+        _first_prefix_hit(model, max_len, prompts)
+        return
     prof = _Profile(
         args.profile,
         cprofile=not args.no_cprofile,
@@ -528,7 +623,9 @@ def main() -> None:
         for variant in order:
             tag = variant if args.rounds == 1 else f"{variant}{rnd + 1}"
             samples[variant].append(
-                _run_engine(variant, model, kv, max_len, prompts, batches, prof, tag)
+                _run_engine(
+                    variant, model, kv, max_len, prompts, batches, prof, tag, args.gpu_trace
+                )
             )
     base, lm = _pooled(samples["base"]), _pooled(samples["lmcache"])
     if args.rounds > 1:
