@@ -311,13 +311,22 @@ def _gpu_time(trace: Path) -> str:
         per[(e["cat"], e.get("args", {}).get("stream"))] += e["dur"]
     main = max((k for k in per if k[0] == "kernel"), key=lambda k: per[k])
     busy, lo, hi = 0.0, kernels[0]["ts"], kernels[0]["ts"]
+    gaps: list[float] = []
     for e in kernels:  # union of kernel intervals over every stream
         start, end = e["ts"], e["ts"] + e["dur"]
         if start > hi:
             busy += hi - lo
+            gaps.append(start - hi)
             lo = start
         hi = max(hi, end)
     busy += hi - lo
+    bins = ((0, 100), (100, 1000), (1000, 5000), (5000, float("inf")))  # microseconds
+    hist = ", ".join(
+        f"{'>' if b == float('inf') else ''}{(a if b == float('inf') else b) / 1e3:g} ms: "
+        f"{sum(1 for g in gaps if a < g <= b)} = "
+        f"{sum(g for g in gaps if a < g <= b) / 1e3:.1f} ms"
+        for a, b in bins
+    )
     span = max(e["ts"] + e["dur"] for e in kernels) - kernels[0]["ts"]
     other = sum(v for k, v in per.items() if k[0] == "kernel" and k != main)
     copies = ", ".join(
@@ -326,7 +335,7 @@ def _gpu_time(trace: Path) -> str:
     return (
         f"span {span / 1e3:.1f} ms, kernels busy {busy / 1e3:.1f} ms (vLLM's stream "
         f"{per[main] / 1e3:.1f}, other streams {other / 1e3:.1f}), idle {(span - busy) / 1e3:.1f} "
-        f"ms; copies: {copies}"
+        f"ms (gaps up to {hist}); copies: {copies}"
     )
 
 
