@@ -106,11 +106,19 @@ class _Profile:
     request the save jobs (copy / commit threads) that ran inside its TTFT window."""
 
     def __init__(
-        self, out: Path | None, cprofile: bool = True, hooks: Sequence[str] = (), jobs: bool = False
+        self,
+        out: Path | None,
+        cprofile: bool = True,
+        hooks: Sequence[str] = (),
+        jobs: bool = False,
+        spans: bool = False,
     ) -> None:
         import cProfile
 
         self.out = out
+        # --gpu-trace: (thread, what, start, end) of every hook call on vLLM's thread and
+        # every save job, in time.perf_counter() seconds, while ``spans`` is not None
+        self.spans: list[tuple[str, str, float, float]] | None = [] if spans else None
         self.cprofile = cprofile
         # --cprofile-hooks / --cprofile-jobs: one cProfile per named hook (main thread) and per
         # save-job kind (its own thread), each enabled only inside its calls
@@ -125,9 +133,10 @@ class _Profile:
         self.rows: list[str] = []
         self.jobs: list[tuple[str, float, float, float]] = []  # kind, start, end, CPU s
         self.requests: list[tuple[str, float, float]] = []  # phase, start, TTFT
-        if out is None:
+        if out is None and not spans:
             return
-        out.mkdir(parents=True, exist_ok=True)
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
         from lmcache_vllm.save_queue import SaveQueue
         from lmcache_vllm.scheduler import SchedulerSide
         from lmcache_vllm.worker import WorkerSide
@@ -174,9 +183,12 @@ class _Profile:
                 if outer:
                     hook_prof.disable()  # type: ignore[union-attr]
                     self._in_hook = False
+                end = time.perf_counter()
                 cell = self.hooks.setdefault((self.phase, name), [0.0, 0])
-                cell[0] += time.perf_counter() - t
+                cell[0] += end - t
                 cell[1] += 1
+                if self.spans is not None:
+                    self.spans.append(("vLLM's thread", short, t, end))
 
         return timed
 
@@ -189,7 +201,10 @@ class _Profile:
         finally:
             if on:
                 job_prof.disable()  # type: ignore[union-attr]
-            self.jobs.append((kind, t, time.perf_counter(), time.thread_time() - cpu))
+            end = time.perf_counter()
+            self.jobs.append((kind, t, end, time.thread_time() - cpu))
+            if self.spans is not None:
+                self.spans.append((f"{kind} thread", f"{kind} job", t, end))
 
     def _enable(self, profile: Any) -> bool:
         """Enable ``profile``; ``False`` (this call is not profiled) when another profile is
@@ -292,9 +307,21 @@ def _thread_cpu() -> dict[int, float]:
     return out
 
 
-def _gpu_time(trace: Path) -> str:
+_MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: aligns the trace's clock with the host's
+
+
+def _gpu_time(
+    trace: Path,
+    host0: float | None = None,
+    spans: Sequence[tuple[str, str, float, float]] = (),
+) -> str:
     """Where the GPU's time went in a ``torch.profiler`` Chrome trace (CUDA activity): kernel
-    time per stream (the busiest is vLLM's), idle time between kernels, copies per stream."""
+    time per stream (the busiest is vLLM's), idle time between kernels, copies per stream.
+
+    With ``host0`` (``time.perf_counter()`` when the :data:`_MARKER` kernel was launched on an
+    idle GPU) and ``spans`` (``(thread, what, start, end)`` host intervals), also which of them
+    overlapped the GPU's waits over 1 ms, and when vLLM's own device-to-host copies started
+    late while a big copy on another stream ran."""
     import collections
     import json
 
@@ -303,6 +330,8 @@ def _gpu_time(trace: Path) -> str:
         for e in json.loads(trace.read_text())["traceEvents"]
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")
     ]
+    markers = [e for e in events if _MARKER in e.get("name", "")]
+    events = [e for e in events if _MARKER not in e.get("name", "")]
     kernels = sorted((e for e in events if e["cat"] == "kernel"), key=lambda e: e["ts"])
     if not kernels:
         return "no kernels traced"
@@ -312,11 +341,14 @@ def _gpu_time(trace: Path) -> str:
     main = max((k for k in per if k[0] == "kernel"), key=lambda k: per[k])
     busy, lo, hi = 0.0, kernels[0]["ts"], kernels[0]["ts"]
     gaps: list[float] = []
+    waits: list[tuple[float, float]] = []  # GPU waits over 1 ms, trace microseconds
     for e in kernels:  # union of kernel intervals over every stream
         start, end = e["ts"], e["ts"] + e["dur"]
         if start > hi:
             busy += hi - lo
             gaps.append(start - hi)
+            if start - hi > 1000:
+                waits.append((hi, start))
             lo = start
         hi = max(hi, end)
     busy += hi - lo
@@ -332,23 +364,94 @@ def _gpu_time(trace: Path) -> str:
     copies = ", ".join(
         f"stream {k[1]} {v / 1e3:.1f} ms" for k, v in sorted(per.items()) if k[0] == "gpu_memcpy"
     )
-    return (
+    text = (
         f"span {span / 1e3:.1f} ms, kernels busy {busy / 1e3:.1f} ms (vLLM's stream "
         f"{per[main] / 1e3:.1f}, other streams {other / 1e3:.1f}), idle {(span - busy) / 1e3:.1f} "
         f"ms (gaps up to {hist}); copies: {copies}"
     )
+    if host0 is not None and markers:
+        offset = markers[0]["ts"] - host0 * 1e6  # trace us = host s * 1e6 + offset
+        text += "\n    " + _attribute(waits, offset, spans)
+    text += "\n    " + _copy_lag(events, main[1])
+    return text
 
 
-def _traced(fn: Any) -> tuple[Any, str]:
-    """``(fn(), _gpu_time of the GPU work while it ran)``."""
+def _attribute(
+    waits: Sequence[tuple[float, float]],
+    offset: float,
+    spans: Sequence[tuple[str, str, float, float]],
+) -> str:
+    """Which host spans overlapped the GPU's waits (trace microseconds), most first (a hook
+    called inside another, e.g. an in-process lookup inside ``get_num_new_matched_tokens``,
+    counts in both)."""
+    overlap: dict[tuple[str, str], float] = {}
+    for lo, hi in waits:
+        a, b = (lo - offset) / 1e6, (hi - offset) / 1e6
+        for thread, what, start, end in spans:
+            inside = min(end, b) - max(start, a)
+            if inside > 0:
+                overlap[(thread, what)] = overlap.get((thread, what), 0.0) + inside
+    total = sum(hi - lo for lo, hi in waits) / 1e3
+    top = sorted(overlap.items(), key=lambda kv: -kv[1])[:8]
+    found = ", ".join(f"{thread}: {what} {1e3 * sec:.1f} ms" for (thread, what), sec in top)
+    return (
+        f"GPU waits over 1 ms: {len(waits)}, {total:.1f} ms; lmcache work inside them: "
+        f"{found or 'none'}"
+    )
+
+
+def _copy_lag(events: Sequence[dict[str, Any]], main_stream: Any) -> str:
+    """vLLM's own device-to-host copies (streams without a copy over 64 MiB): how late each
+    started after the last kernel on vLLM's stream before it, and how many overlapped a copy
+    of another stream over 64 MiB (lmcache's saves)."""
+    copies = [e for e in events if e["cat"] == "gpu_memcpy" and "DtoH" in e.get("name", "")]
+    big = [e for e in copies if int(e.get("args", {}).get("bytes", 0)) > 64 << 20]
+    big_streams = {e.get("args", {}).get("stream") for e in big}
+    own = [e for e in copies if e.get("args", {}).get("stream") not in big_streams]
+    ends = sorted(
+        e["ts"] + e["dur"]
+        for e in events
+        if e["cat"] == "kernel" and e.get("args", {}).get("stream") == main_stream
+    )
+    import bisect
+
+    lags, during = [], 0
+    for e in own:
+        i = bisect.bisect_right(ends, e["ts"])
+        if i:
+            lags.append(e["ts"] - ends[i - 1])
+        if any(b["ts"] < e["ts"] + e["dur"] and e["ts"] < b["ts"] + b["dur"] for b in big):
+            during += 1
+    if not lags:
+        return "vLLM's device-to-host copies: none traced"
+    lags.sort()
+    return (
+        f"vLLM's device-to-host copies: {len(own)}, {during} while a copy over 64 MiB ran; "
+        f"start after vLLM's last kernel: median {lags[len(lags) // 2] / 1e3:.2f} ms, "
+        f"max {lags[-1] / 1e3:.2f} ms, sum {sum(lags) / 1e3:.1f} ms"
+    )
+
+
+def _traced(fn: Any, prof: _Profile) -> tuple[Any, str]:
+    """``(fn(), _gpu_time of the GPU work while it ran)``, with ``prof.spans`` attributed."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as tracer:
+        torch.cuda.synchronize()
+        host0: float | None = time.perf_counter()
+        try:
+            torch.cuda._sleep(1000)  # type: ignore[no-untyped-call]  # the clock marker
+        except (AttributeError, RuntimeError):  # no marker: no attribution
+            host0 = None
+        torch.cuda.synchronize()
+        if prof.spans is not None:
+            prof.spans.clear()
         out = fn()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         tracer.export_chrome_trace(str(path))
-        return out, _gpu_time(path)
+        return out, _gpu_time(path, host0, prof.spans or ())
 
 
 def _measure(
@@ -368,7 +471,7 @@ def _measure(
         return [_throughput(llm, b) for b in batches]
 
     if trace:
-        tputs, gpu = _traced(tput_run)
+        tputs, gpu = _traced(tput_run, prof)
         print(f"{tag}: GPU during the throughput batches: {gpu}", flush=True)
     else:
         tputs = prof.run(f"{tag}-tput", tput_run)
@@ -616,6 +719,7 @@ def main() -> None:
         cprofile=not args.no_cprofile,
         hooks=[h for h in args.cprofile_hooks.split(",") if h],
         jobs=args.cprofile_jobs,
+        spans=args.gpu_trace,
     )
     extra: dict[str, Any] = {"lmcache.max_local_cpu_size": 8.0}
     if args.checksum != "default":
