@@ -143,6 +143,20 @@ def _timed_wait(gate) -> float:
     return time.monotonic() - start
 
 
+def _held_waiter(gate) -> tuple[threading.Thread, list[float]]:
+    """A thread in ``gate.wait()``, started and held back (``took`` gets its wait)."""
+    import time
+
+    took: list[float] = []
+    waiter = threading.Thread(target=lambda: took.append(_timed_wait(gate)))
+    waiter.start()
+    deadline = time.monotonic() + 5.0
+    while not gate.waiting and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert gate.waiting
+    return waiter, took
+
+
 def test_gate_lets_a_commit_run_while_a_forward_is_in_flight():
     from lmcache_vllm.save_queue import QuietGate
 
@@ -153,8 +167,6 @@ def test_gate_lets_a_commit_run_while_a_forward_is_in_flight():
 
 
 def test_gate_holds_a_commit_until_the_next_forward_or_its_deadline():
-    import time
-
     from lmcache_vllm.save_queue import QuietGate
 
     gate = QuietGate(max_wait_s=0.2)
@@ -162,13 +174,7 @@ def test_gate_holds_a_commit_until_the_next_forward_or_its_deadline():
     assert _timed_wait(gate) >= 0.19  # nothing came: runs at its deadline
 
     gate.max_wait_s = 5.0
-    took: list[float] = []
-    waiter = threading.Thread(target=lambda: took.append(_timed_wait(gate)))
-    waiter.start()
-    deadline = time.monotonic() + 5.0
-    while not gate.waiting and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert gate.waiting
+    waiter, took = _held_waiter(gate)
     gate.forward_enqueued(_Event(done=False))  # the next forward is enqueued
     waiter.join(5.0)
     assert took and took[0] < 1.0
@@ -176,17 +182,10 @@ def test_gate_holds_a_commit_until_the_next_forward_or_its_deadline():
 
 @pytest.mark.parametrize("how", ["hurry", "close"])
 def test_gate_holds_nothing_back_when_hurried_or_closed(how):
-    import time
-
     from lmcache_vllm.save_queue import QuietGate
 
     gate = QuietGate(max_wait_s=5.0)
-    took: list[float] = []
-    waiter = threading.Thread(target=lambda: took.append(_timed_wait(gate)))
-    waiter.start()
-    deadline = time.monotonic() + 5.0
-    while not gate.waiting and time.monotonic() < deadline:
-        time.sleep(0.001)
+    waiter, took = _held_waiter(gate)
     if how == "close":
         gate.close()
         waiter.join(5.0)
