@@ -2,8 +2,8 @@
 """Saves off the step: a two-stage pipeline of copy jobs and commit jobs on background threads.
 
 The worker queues the planning of a step's saves at the forward's last layer (a job on the copy
-thread, while the step computes) and their copy in ``wait_for_save``, returning at once. A save is two
-jobs after its plan:
+thread, while the step computes) and their copy in ``wait_for_save``, returning at once. A save
+is two jobs after its plan:
 
 1. **copy** (copier thread, in submission order): copies the KV out of vLLM's pages into leased
    host buffers (``LMCacheEngine.copy_out``). On CUDA it only *enqueues* the copy on a store
@@ -80,9 +80,12 @@ class ReadFence:
 class QuietGate:
     """Holds a commit back until vLLM's thread is likely waiting on the device.
 
-    vLLM's thread enqueues a forward, then waits for the GPU to finish it; right after, it
-    schedules and prepares the next step while the GPU idles. A background thread running
-    Python then (holding the GIL) delays that thread, and the GPU with it. The worker calls
+    vLLM's thread enqueues a forward, then waits for the GPU; when the GPU is done, vLLM's
+    thread processes the output and schedules and prepares the next step while the GPU idles.
+    A background thread running Python then (holding the GIL) delays that thread, and the GPU
+    with it. (With vLLM's asynchronous scheduling the next step is usually enqueued before the
+    current one finishes, so under load the gate is open nearly always; it matters when the
+    engine runs one request at a time and between batches.) The worker calls
     :meth:`forward_enqueued` with a CUDA event recorded after each forward it enqueued; a commit
     waits in :meth:`wait` until the latest such event has not completed yet (the GPU is busy with
     a forward, vLLM's thread waits on it), someone hurries (:meth:`hurry`: a lookup of the
