@@ -25,9 +25,11 @@ ratios are printed too). Per engine:
 Targets printed next to the figures: cold within +2 %, throughput at least 99 % of no-lmcache,
 warm at least 3x faster than recompute.
 
-``--gpu-trace`` adds, per engine, where the GPU's time went during the throughput batches
-(``torch.profiler``, CUDA activity only): kernel time on vLLM's stream and on lmcache's streams,
-idle time, and the copies on other streams. ``--first-prefix-hit`` measures something else
+``--gpu-trace`` adds, per engine, where the GPU's time went during the cold requests and the
+throughput batches (``torch.profiler``, CUDA activity only): kernel time on vLLM's stream and on
+lmcache's streams, idle time, the copies on other streams, which of lmcache's hooks and save
+jobs ran while the GPU waited, and how late vLLM's own device-to-host copies started.
+``--first-prefix-hit`` measures something else
 instead: vLLM alone's own prefix-cache hits in a fresh process (the first prefill over cached
 context of a process is slow, with or without lmcache).
 """
@@ -463,7 +465,15 @@ def _measure(
     trace: bool = False,
 ) -> dict[str, list[float]]:
     _ttft(llm, prompts[-1][:512])  # warm-up (distinct tokens)
-    cold = prof.run(f"{tag}-cold", lambda: [_ttft(llm, p, prof) for p in prompts[:-1]])
+
+    def cold_run() -> list[tuple[float, float]]:
+        return [_ttft(llm, p, prof) for p in prompts[:-1]]
+
+    if trace:
+        cold, gpu = _traced(cold_run, prof)
+        print(f"{tag}: GPU during the cold requests: {gpu}", flush=True)
+    else:
+        cold = prof.run(f"{tag}-cold", cold_run)
     llm.reset_prefix_cache()
     warm = prof.run(f"{tag}-warm", lambda: [_ttft(llm, p, prof) for p in prompts[:-1]])
 
@@ -655,8 +665,9 @@ def main() -> None:
     parser.add_argument(
         "--gpu-trace",
         action="store_true",
-        help="per engine, where the GPU's time went during the throughput batches "
-        "(torch.profiler, CUDA activity): kernel time per stream, idle time, copies",
+        help="per engine, where the GPU's time went during the cold requests and the "
+        "throughput batches (torch.profiler, CUDA activity): kernel time per stream, idle time, "
+        "copies, lmcache's work while the GPU waited, vLLM's own copies started late",
     )
     parser.add_argument(
         "--first-prefix-hit",
