@@ -406,6 +406,8 @@ def _copy_lag(events: Sequence[dict[str, Any]], main_stream: Any) -> str:
     """vLLM's own device-to-host copies (streams without a copy over 64 MiB): how late each
     started after the last kernel on vLLM's stream before it, and how many overlapped a copy
     of another stream over 64 MiB (lmcache's saves)."""
+    import bisect
+
     copies = [e for e in events if e["cat"] == "gpu_memcpy" and "DtoH" in e.get("name", "")]
     big = [e for e in copies if int(e.get("args", {}).get("bytes", 0)) > 64 << 20]
     big_streams = {e.get("args", {}).get("stream") for e in big}
@@ -415,8 +417,6 @@ def _copy_lag(events: Sequence[dict[str, Any]], main_stream: Any) -> str:
         for e in events
         if e["cat"] == "kernel" and e.get("args", {}).get("stream") == main_stream
     )
-    import bisect
-
     lags, during = [], 0
     for e in own:
         i = bisect.bisect_right(ends, e["ts"])

@@ -93,8 +93,9 @@ class _PlannedSave:
 
 @dataclasses.dataclass(eq=False)
 class _StepSaves:
-    """A step's batched saves: planned on the copy thread at bind (``live``: those whose plan
-    succeeded, ``batch``: their one copy), copied after ``wait_for_save``."""
+    """A step's batched saves: noted at bind, planned on the copy thread from the forward's
+    last layer (``live``: those whose plan succeeded, ``batch``: their one copy), copied after
+    ``wait_for_save``."""
 
     saves: list[_PlannedSave]
     live: list[_PlannedSave] = dataclasses.field(default_factory=list)
@@ -155,7 +156,7 @@ class WorkerSide:
         self._prefetching = 0  # bytes of device copies of hits made ahead of their load
         self._bound: Any = None  # the metadata bind() last ran for
         self._held = HeldHits()
-        self._planned: _StepSaves | None = None  # this step's saves, planned at bind
+        self._planned: _StepSaves | None = None  # this step's saves, noted at bind
         self._saves = SaveQueue(f"lmcache-save-rank{rank}")
         self._unpublished = UnpublishedSaves(self.chunk_size)
 
