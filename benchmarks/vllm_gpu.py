@@ -27,9 +27,13 @@ warm at least 3x faster than recompute.
 
 ``--gpu-trace`` adds, per engine, where the GPU's time went during the cold requests and the
 throughput batches (``torch.profiler``, CUDA activity only): kernel time on vLLM's stream and on
-lmcache's streams, idle time, the copies on other streams, which of lmcache's hooks and save
-jobs ran while the GPU waited, and how late vLLM's own device-to-host copies started.
-``--first-prefix-hit`` measures something else
+lmcache's streams, idle time by gap size, between which kernels the short waits (0.1-5 ms) fall,
+which host work overlapped the GPU's waits (lmcache's hooks and save jobs split into planning,
+copying, the commit gate's wait and publishing; vLLM's own ``schedule``, ``execute_model``,
+``sample_tokens``...; Python's garbage collections), how late vLLM's own device-to-host copies
+started, and for the third cold request a timeline of the GPU's waits and the host work on one
+clock. The timing wrappers slow lmcache's hooks a little, so traced runs are for finding where
+time goes, not for the targets. ``--first-prefix-hit`` measures something else
 instead: vLLM alone's own prefix-cache hits in a fresh process (the first prefill over cached
 context of a process is slow, with or without lmcache).
 """
@@ -90,6 +94,8 @@ def _ttft(llm: Any, prompt: list[int], prof: _Profile | None = None) -> tuple[fl
     ttft = float(out.metrics.first_token_latency)
     if prof is not None:
         prof.request(start, ttft)
+        if prof.spans is not None:
+            prof.spans.append(("bench", "generate()", start, start + wall))
     return ttft, wall
 
 
@@ -126,7 +132,7 @@ class _Profile:
         # save-job kind (its own thread), each enabled only inside its calls
         self.hook_profiles = {name: cProfile.Profile() for name in hooks}
         self.job_profiles = (
-            {kind: cProfile.Profile() for kind in ("copy", "commit")} if jobs else {}
+            {kind: cProfile.Profile() for kind in ("plan", "copy", "commit")} if jobs else {}
         )
         self._in_hook = False
         self.skipped_profiles = 0  # calls not profiled: another profile was active
@@ -146,7 +152,10 @@ class _Profile:
         copy, commit = SaveQueue._run_copy, SaveQueue._run_commit
 
         def _run_copy(queue: Any, req_id: str, job: Any) -> None:
-            self._job("copy", lambda: copy(queue, req_id, job))
+            inner = job.args[0] if getattr(job, "args", None) else job  # SaveQueue._fenced's
+            inner = getattr(inner, "func", inner)
+            kind = {"_plan_job": "plan", "_drop_job": "drop"}.get(inner.__name__, "copy")
+            self._job(kind, lambda: copy(queue, req_id, job))
 
         def _run_commit(req_id: str, job: Any) -> None:
             self._job("commit", lambda: commit(req_id, job))
@@ -159,6 +168,59 @@ class _Profile:
                 if name.startswith("__") or not callable(fn):
                     continue
                 setattr(cls, name, self._wrap(f"{cls.__name__}.{name}", fn))
+        if spans:
+            import gc
+            import importlib
+
+            from lmcache.layerwise import StagedStore
+            from lmcache_vllm.save_queue import QuietGate
+
+            # the parts of a commit job: asleep (copy, gate) or publishing
+            StagedStore.commit = self._span("publish", StagedStore.commit)  # type: ignore[method-assign]
+            QuietGate.wait = self._span("gate wait", QuietGate.wait)  # type: ignore[method-assign]
+            gc_start: list[float] = []
+
+            def _gc(phase: str, info: dict[str, Any]) -> None:  # Python's collections
+                if phase == "start":
+                    gc_start[:] = [time.perf_counter()]
+                elif gc_start and self.spans is not None:
+                    what = f"gc gen{info.get('generation')}"
+                    self.spans.append(("gc", what, gc_start[0], time.perf_counter()))
+
+            gc.callbacks.append(_gc)
+            # vLLM's own phases, where this version has them (the timeline places them)
+            for module, cls_name, names in (
+                (
+                    "vllm.v1.worker.gpu.model_runner",
+                    "GPUModelRunner",
+                    ("execute_model", "prepare_inputs", "prepare_attn", "sample_tokens"),
+                ),
+                ("vllm.v1.core.sched.scheduler", "Scheduler", ("schedule", "update_from_output")),
+            ):
+                try:
+                    owner = getattr(importlib.import_module(module), cls_name)
+                except (ImportError, AttributeError):
+                    continue
+                for name in names:
+                    if callable(getattr(owner, name, None)):
+                        setattr(owner, name, self._span(f"vLLM {name}", getattr(owner, name)))
+
+    def _span(self, what: str, fn: Any) -> Any:
+        """``fn`` recording a ``(thread name, what, start, end)`` span on any thread."""
+        import functools
+        import threading
+
+        @functools.wraps(fn)
+        def spanned(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if self.spans is not None:
+                    name = threading.current_thread().name
+                    self.spans.append((name, what, t, time.perf_counter()))
+
+        return spanned
 
     def _wrap(self, name: str, fn: Any) -> Any:
         import functools
@@ -206,7 +268,8 @@ class _Profile:
             end = time.perf_counter()
             self.jobs.append((kind, t, end, time.thread_time() - cpu))
             if self.spans is not None:
-                self.spans.append((f"{kind} thread", f"{kind} job", t, end))
+                thread = "commit thread" if kind == "commit" else "copy thread"
+                self.spans.append((thread, f"{kind} job", t, end))
 
     def _enable(self, profile: Any) -> bool:
         """Enable ``profile``; ``False`` (this call is not profiled) when another profile is
@@ -316,14 +379,20 @@ def _gpu_time(
     trace: Path,
     host0: float | None = None,
     spans: Sequence[tuple[str, str, float, float]] = (),
+    timeline: bool = False,
 ) -> str:
     """Where the GPU's time went in a ``torch.profiler`` Chrome trace (CUDA activity): kernel
     time per stream (the busiest is vLLM's), idle time between kernels, copies per stream.
 
     With ``host0`` (``time.perf_counter()`` when the :data:`_MARKER` kernel was launched on an
     idle GPU) and ``spans`` (``(thread, what, start, end)`` host intervals), also which of them
-    overlapped the GPU's waits over 1 ms, and when vLLM's own device-to-host copies started
-    late while a big copy on another stream ran."""
+    overlapped the GPU's waits over 0.1 ms (up to 5 ms, and longer), and with ``timeline`` one
+    request's waits and host spans. Always: when vLLM's own device-to-host copies started late
+    while a big copy on another stream ran.
+
+    The marker aligns the clocks only roughly: on the first engine traced in a process the host
+    spans were seen 10-45 ms off (vLLM's ``execute_model`` placed after the kernels it launched),
+    so check a timeline against such landmarks before reading it."""
     import collections
     import json
 
@@ -343,15 +412,23 @@ def _gpu_time(
     main = max((k for k in per if k[0] == "kernel"), key=lambda k: per[k])
     busy, lo, hi = 0.0, kernels[0]["ts"], kernels[0]["ts"]
     gaps: list[float] = []
-    waits: list[tuple[float, float]] = []  # GPU waits over 1 ms, trace microseconds
+    waits: list[tuple[float, float]] = []  # GPU waits over 0.1 ms, trace microseconds
+    where: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    last = kernels[0]
     for e in kernels:  # union of kernel intervals over every stream
         start, end = e["ts"], e["ts"] + e["dur"]
         if start > hi:
             busy += hi - lo
             gaps.append(start - hi)
-            if start - hi > 1000:
+            if start - hi > 100:
                 waits.append((hi, start))
+            if 100 < start - hi <= 5000:  # inside a step: between which kernels
+                cell = where[(_short(last["name"]), _short(e["name"]))]
+                cell[0] += 1
+                cell[1] += start - hi
             lo = start
+        if end >= hi:
+            last = e
         hi = max(hi, end)
     busy += hi - lo
     bins = ((0, 100), (100, 1000), (1000, 5000), (5000, float("inf")))  # microseconds
@@ -371,17 +448,68 @@ def _gpu_time(
         f"{per[main] / 1e3:.1f}, other streams {other / 1e3:.1f}), idle {(span - busy) / 1e3:.1f} "
         f"ms (gaps up to {hist}); copies: {copies}"
     )
+    top = sorted(where.items(), key=lambda kv: -kv[1][1])[:5]
+    text += "\n    gaps of 0.1-5 ms, after -> before kernel: " + "; ".join(
+        f"{a} -> {b}: {n} = {t / 1e3:.1f} ms" for (a, b), (n, t) in top
+    )
     if host0 is not None and markers:
         offset = markers[0]["ts"] - host0 * 1e6  # trace us = host s * 1e6 + offset
-        text += "\n    " + _attribute(waits, offset, spans)
+        if timeline:
+            text += "\n    " + _timeline(kernels, offset, spans)
+        small = [w for w in waits if w[1] - w[0] <= 5000]
+        large = [w for w in waits if w[1] - w[0] > 5000]
+        text += "\n    " + _attribute(small, offset, spans, "0.1-5 ms")
+        text += "\n    " + _attribute(large, offset, spans, "over 5 ms")
     text += "\n    " + _copy_lag(events, main[1])
     return text
+
+
+def _timeline(
+    kernels: Sequence[dict[str, Any]],
+    offset: float,
+    spans: Sequence[tuple[str, str, float, float]],
+) -> str:
+    """One request (the third run of kernels between GPU waits over 5 ms) on one clock: its
+    GPU waits over 0.1 ms and the host spans from 5 ms before its first kernel to its last."""
+    runs: list[list[dict[str, Any]]] = [[kernels[0]]]
+    hi = kernels[0]["ts"] + kernels[0]["dur"]
+    for e in kernels[1:]:
+        if e["ts"] - hi > 5000:
+            runs.append([])
+        runs[-1].append(e)
+        hi = max(hi, e["ts"] + e["dur"])
+    run = runs[min(2, len(runs) - 1)]
+    t0 = run[0]["ts"]
+    end = max(e["ts"] + e["dur"] for e in run)
+    rows = [f"one request's GPU work ({len(runs)} runs, the 3rd): {(end - t0) / 1e3:.1f} ms"]
+    hi, last = t0, run[0]
+    for e in run:
+        if e["ts"] - hi > 100:
+            rows.append(
+                f"  GPU idle +{(hi - t0) / 1e3:.2f} ms for {(e['ts'] - hi) / 1e3:.2f} ms: "
+                f"{_short(last['name'])} -> {_short(e['name'])}"
+            )
+        if e["ts"] + e["dur"] >= hi:
+            hi, last = e["ts"] + e["dur"], e
+    for thread, what, a, b in sorted(spans, key=lambda sp: sp[2]):
+        ta, tb = a * 1e6 + offset, b * 1e6 + offset
+        if tb >= t0 - 5000 and ta <= end and tb - ta > 20:
+            rows.append(
+                f"  host {thread}: {what} +{(ta - t0) / 1e3:.2f} .. +{(tb - t0) / 1e3:.2f} ms"
+            )
+    return "\n    ".join(rows)
+
+
+def _short(name: str) -> str:
+    """A kernel's name without its template arguments and parameters, at most 40 chars."""
+    return name.split("<", 1)[0].split("(", 1)[0].rsplit("::", 1)[-1][:40]
 
 
 def _attribute(
     waits: Sequence[tuple[float, float]],
     offset: float,
     spans: Sequence[tuple[str, str, float, float]],
+    label: str,
 ) -> str:
     """Which host spans overlapped the GPU's waits (trace microseconds), most first (a hook
     called inside another, e.g. an in-process lookup inside ``get_num_new_matched_tokens``,
@@ -394,12 +522,9 @@ def _attribute(
             if inside > 0:
                 overlap[(thread, what)] = overlap.get((thread, what), 0.0) + inside
     total = sum(hi - lo for lo, hi in waits) / 1e3
-    top = sorted(overlap.items(), key=lambda kv: -kv[1])[:8]
+    top = sorted(overlap.items(), key=lambda kv: -kv[1])[:12]
     found = ", ".join(f"{thread}: {what} {1e3 * sec:.1f} ms" for (thread, what), sec in top)
-    return (
-        f"GPU waits over 1 ms: {len(waits)}, {total:.1f} ms; lmcache work inside them: "
-        f"{found or 'none'}"
-    )
+    return f"GPU waits {label}: {len(waits)}, {total:.1f} ms; host work inside: {found or 'none'}"
 
 
 def _copy_lag(events: Sequence[dict[str, Any]], main_stream: Any) -> str:
@@ -434,7 +559,7 @@ def _copy_lag(events: Sequence[dict[str, Any]], main_stream: Any) -> str:
     )
 
 
-def _traced(fn: Any, prof: _Profile) -> tuple[Any, str]:
+def _traced(fn: Any, prof: _Profile, timeline: bool = False) -> tuple[Any, str]:
     """``(fn(), _gpu_time of the GPU work while it ran)``, with ``prof.spans`` attributed."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -453,7 +578,7 @@ def _traced(fn: Any, prof: _Profile) -> tuple[Any, str]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         tracer.export_chrome_trace(str(path))
-        return out, _gpu_time(path, host0, prof.spans or ())
+        return out, _gpu_time(path, host0, prof.spans or (), timeline)
 
 
 def _measure(
@@ -470,7 +595,7 @@ def _measure(
         return [_ttft(llm, p, prof) for p in prompts[:-1]]
 
     if trace:
-        cold, gpu = _traced(cold_run, prof)
+        cold, gpu = _traced(cold_run, prof, timeline=True)
         print(f"{tag}: GPU during the cold requests: {gpu}", flush=True)
     else:
         cold = prof.run(f"{tag}-cold", cold_run)
@@ -667,7 +792,8 @@ def main() -> None:
         action="store_true",
         help="per engine, where the GPU's time went during the cold requests and the "
         "throughput batches (torch.profiler, CUDA activity): kernel time per stream, idle time, "
-        "copies, lmcache's work while the GPU waited, vLLM's own copies started late",
+        "copies, host work (lmcache's and vLLM's) while the GPU waited, vLLM's own copies "
+        "started late, and one cold request's timeline",
     )
     parser.add_argument(
         "--first-prefix-hit",
