@@ -778,8 +778,9 @@ def main() -> None:
     parser.add_argument(
         "--cprofile-jobs",
         action="store_true",
-        help="with --profile: a cProfile of the save jobs on their own threads (copy: planning "
-        "and copies; commit), all phases, to DIR/job-copy.txt and DIR/job-commit.txt",
+        help="with --profile: a cProfile of the save jobs on their own threads (planning, "
+        "copies, commits), all phases, to DIR/job-{plan,copy,commit}.txt (from Python 3.12 a "
+        "profile records every thread while it runs: vLLM's thread's calls meanwhile too)",
     )
     parser.add_argument(
         "--no-cprofile",
