@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import statistics
 import tempfile
@@ -410,27 +411,15 @@ def _gpu_time(
     for e in events:
         per[(e["cat"], e.get("args", {}).get("stream"))] += e["dur"]
     main = max((k for k in per if k[0] == "kernel"), key=lambda k: per[k])
-    busy, lo, hi = 0.0, kernels[0]["ts"], kernels[0]["ts"]
-    gaps: list[float] = []
-    waits: list[tuple[float, float]] = []  # GPU waits over 0.1 ms, trace microseconds
+    idle = _idle_gaps(kernels)
+    gaps = [hi - lo for lo, hi, _, _ in idle]
+    waits = [(lo, hi) for lo, hi, _, _ in idle if hi - lo > 100]  # over 0.1 ms, trace us
     where: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
-    last = kernels[0]
-    for e in kernels:  # union of kernel intervals over every stream
-        start, end = e["ts"], e["ts"] + e["dur"]
-        if start > hi:
-            busy += hi - lo
-            gaps.append(start - hi)
-            if start - hi > 100:
-                waits.append((hi, start))
-            if 100 < start - hi <= 5000:  # inside a step: between which kernels
-                cell = where[(_short(last["name"]), _short(e["name"]))]
-                cell[0] += 1
-                cell[1] += start - hi
-            lo = start
-        if end >= hi:
-            last = e
-        hi = max(hi, end)
-    busy += hi - lo
+    for lo, hi, before, after in idle:
+        if 100 < hi - lo <= 5000:  # inside a step: between which kernels
+            cell = where[(_short(kernels[before]["name"]), _short(kernels[after]["name"]))]
+            cell[0] += 1
+            cell[1] += hi - lo
     bins = ((0, 100), (100, 1000), (1000, 5000), (5000, float("inf")))  # microseconds
     hist = ", ".join(
         f"{'>' if b == float('inf') else ''}{(a if b == float('inf') else b) / 1e3:g} ms: "
@@ -439,6 +428,7 @@ def _gpu_time(
         for a, b in bins
     )
     span = max(e["ts"] + e["dur"] for e in kernels) - kernels[0]["ts"]
+    busy = span - sum(gaps)
     other = sum(v for k, v in per.items() if k[0] == "kernel" and k != main)
     copies = ", ".join(
         f"stream {k[1]} {v / 1e3:.1f} ms" for k, v in sorted(per.items()) if k[0] == "gpu_memcpy"
@@ -471,26 +461,18 @@ def _timeline(
 ) -> str:
     """One request (the third run of kernels between GPU waits over 5 ms) on one clock: its
     GPU waits over 0.1 ms and the host spans from 5 ms before its first kernel to its last."""
-    runs: list[list[dict[str, Any]]] = [[kernels[0]]]
-    hi = kernels[0]["ts"] + kernels[0]["dur"]
-    for e in kernels[1:]:
-        if e["ts"] - hi > 5000:
-            runs.append([])
-        runs[-1].append(e)
-        hi = max(hi, e["ts"] + e["dur"])
+    bounds = [0] + [after for lo, hi, _, after in _idle_gaps(kernels) if hi - lo > 5000]
+    runs = [kernels[a:b] for a, b in itertools.pairwise([*bounds, len(kernels)])]
     run = runs[min(2, len(runs) - 1)]
     t0 = run[0]["ts"]
     end = max(e["ts"] + e["dur"] for e in run)
     rows = [f"one request's GPU work ({len(runs)} runs, the 3rd): {(end - t0) / 1e3:.1f} ms"]
-    hi, last = t0, run[0]
-    for e in run:
-        if e["ts"] - hi > 100:
+    for lo, hi, before, after in _idle_gaps(run):
+        if hi - lo > 100:
             rows.append(
-                f"  GPU idle +{(hi - t0) / 1e3:.2f} ms for {(e['ts'] - hi) / 1e3:.2f} ms: "
-                f"{_short(last['name'])} -> {_short(e['name'])}"
+                f"  GPU idle +{(lo - t0) / 1e3:.2f} ms for {(hi - lo) / 1e3:.2f} ms: "
+                f"{_short(run[before]['name'])} -> {_short(run[after]['name'])}"
             )
-        if e["ts"] + e["dur"] >= hi:
-            hi, last = e["ts"] + e["dur"], e
     for thread, what, a, b in sorted(spans, key=lambda sp: sp[2]):
         ta, tb = a * 1e6 + offset, b * 1e6 + offset
         if tb >= t0 - 5000 and ta <= end and tb - ta > 20:
@@ -498,6 +480,20 @@ def _timeline(
                 f"  host {thread}: {what} +{(ta - t0) / 1e3:.2f} .. +{(tb - t0) / 1e3:.2f} ms"
             )
     return "\n    ".join(rows)
+
+
+def _idle_gaps(kernels: Sequence[dict[str, Any]]) -> list[tuple[float, float, int, int]]:
+    """``(start, end, index of the kernel before, index of the kernel after)`` of every time the
+    GPU ran no kernel, on any stream, between ``kernels`` (sorted by start; trace
+    microseconds)."""
+    out = []
+    hi, last = kernels[0]["ts"], 0
+    for i, e in enumerate(kernels):  # the union of kernel intervals over every stream
+        if e["ts"] > hi:
+            out.append((hi, e["ts"], last, i))
+        if e["ts"] + e["dur"] >= hi:
+            hi, last = e["ts"] + e["dur"], i
+    return out
 
 
 def _short(name: str) -> str:
