@@ -35,7 +35,11 @@ started, and for the third cold request a timeline of the GPU's waits and the ho
 clock. The timing wrappers slow lmcache's hooks a little, so traced runs are for finding where
 time goes, not for the targets. ``--first-prefix-hit`` measures something else
 instead: vLLM alone's own prefix-cache hits in a fresh process (the first prefill over cached
-context of a process is slow, with or without lmcache).
+context of a process is slow, with or without lmcache). ``--parts CYCLES`` also measures
+something else instead: lmcache's throughput cost split into its lookups and its saves, inside
+each lmcache engine (switched between batches, compared over pairs from the same engine and
+cycle), which leaves out the spread between engines (``--parts 12 --rounds 2``: about 4
+minutes on an H200).
 """
 
 from __future__ import annotations
@@ -716,6 +720,138 @@ def _first_prefix_hit(model: Path, max_len: int, prompts: list[list[int]]) -> No
     )
 
 
+_PARTS = {  # variant: (saves planned, lookups asked)
+    "full": (True, True),
+    "lookups-only": (False, True),
+    "saves-only": (True, False),
+    "off": (False, False),
+}
+
+
+def _parts(
+    model: Path, kv: dict[str, Any], max_len: int, rounds: int, cycles: int, batch: int
+) -> None:
+    """``--parts``: lmcache's throughput cost split into its lookups and its saves, measured
+    inside each lmcache engine, so that the spread between engines (as large as the effect)
+    drops out. Each lmcache engine runs ``cycles`` cycles of the :data:`_PARTS` variants in
+    turn (switched between batches: the scheduler side plans no saves and/or answers every
+    lookup with 0 at once), two batches of new prompts per variant, only the second counted
+    (the first takes the previous variant's tail); vLLM alone engines run the same batches in
+    ABBA order. Prints per engine the median tok/s per variant and the time vLLM's thread spent
+    in lmcache's hooks per batch, then every variant against ``off`` over pairs taken in the
+    same cycle of the same engine."""
+    import threading
+
+    from lmcache_vllm.scheduler import SchedulerSide
+    from lmcache_vllm.testing import make_prompt
+    from lmcache_vllm.worker import WorkerSide
+
+    switch = {"saves": True, "lookups": True}
+    save_spec, matched = SchedulerSide._save_spec, SchedulerSide._matched
+
+    def _save_spec(self: Any, tracker: Any, end: int) -> Any:
+        return save_spec(self, tracker, end) if switch["saves"] else None
+
+    def _matched(self: Any, request: Any, rid: str, n: int) -> int | None:
+        return matched(self, request, rid, n) if switch["lookups"] else 0
+
+    SchedulerSide._save_spec = _save_spec  # type: ignore[method-assign]
+    SchedulerSide._matched = _matched  # type: ignore[method-assign]
+    hooks: dict[str, float] = {}  # hook -> seconds; "" -> all hooks (a nested call once)
+    main = threading.main_thread()
+    depth = [0]
+
+    def _timed(name: str, fn: Any) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            if threading.current_thread() is not main:
+                return fn(*a, **k)
+            start = time.perf_counter()
+            depth[0] += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                depth[0] -= 1
+                took = time.perf_counter() - start
+                hooks[name] = hooks.get(name, 0.0) + took
+                if depth[0] == 0:  # vLLM 0.26's in-tree wrapper binds inside start_load_kv
+                    hooks[""] = hooks.get("", 0.0) + took
+
+        return timed
+
+    for cls, names in (
+        (
+            SchedulerSide,
+            ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta"),
+        ),
+        (WorkerSide, ("bind", "start_load_kv", "save_kv_layer", "wait_for_save", "get_finished")),
+    ):
+        for name in names:
+            setattr(cls, name, _timed(name, getattr(cls, name)))
+    seed = itertools.count(50_000, batch)
+
+    def _batch() -> list[list[int]]:
+        first = next(seed)
+        return [make_prompt(2048, seed=first + i, vocab_size=32000) for i in range(batch)]
+
+    # (engine, variant) -> [(tok/s, {hook: s})], in cycle order
+    got: dict[tuple[str, str], list[tuple[float, dict[str, float]]]] = {}
+    for rnd in range(rounds):
+        for kind in ("base", "lmcache") if rnd % 2 == 0 else ("lmcache", "base"):
+            tag = f"{kind}{rnd + 1}"
+            with _fresh_engine(kind, model, kv, max_len) as llm:
+                for _ in range(2):
+                    _throughput(llm, _batch())  # warm-up
+                order = list(_PARTS)
+                for cycle in range(cycles):
+                    order = order[1:] + order[:1] if cycle % 2 else order[::-1]
+                    for name in order:
+                        switch["saves"], switch["lookups"] = _PARTS[name]
+                        _throughput(llm, _batch())  # takes the last variant's tail
+                        hooks.clear()
+                        tput = _throughput(llm, _batch())
+                        key = (tag, name if kind == "lmcache" else "alone")
+                        got.setdefault(key, []).append((tput, dict(hooks)))
+                switch["saves"] = switch["lookups"] = True
+    print(
+        f"\n--parts: {cycles} cycles per engine, batches of {batch} new 2k-token prompts "
+        "(median tok/s; vLLM's thread in lmcache's hooks, ms per batch, largest first)"
+    )
+    for (tag, name), rows in got.items():
+        spent: dict[str, float] = {}
+        for _, h in rows:
+            for hook, sec in h.items():
+                spent[hook] = spent.get(hook, 0.0) + sec / len(rows)
+        total = spent.pop("", 0.0)
+        top = ", ".join(
+            f"{hook} {1e3 * sec:.1f}"
+            for hook, sec in sorted(spent.items(), key=lambda x: -x[1])[:3]
+            if sec >= 5e-5
+        )
+        med = statistics.median(t for t, _ in rows)
+        print(
+            f"  {tag:<10} {name:<13} {med:>9.0f} tok/s  hooks {1e3 * total:5.1f} ms"
+            + (f" ({top})" if top else "")
+        )
+    alone = [t for (tag, name), rows in got.items() if name == "alone" for t, _ in rows]
+    offs = [t for (tag, name), rows in got.items() if name == "off" for t, _ in rows]
+    for name in ("full", "lookups-only", "saves-only"):
+        pairs = [
+            a / b * 100
+            for (tag, var), rows in got.items()
+            if var == name
+            for (a, _), (b, _) in zip(rows, got[(tag, "off")], strict=True)
+        ]
+        print(
+            f"  {name:<13} against off, same engine and cycle: median {statistics.median(pairs):.1f} %, "
+            f"mean {statistics.mean(pairs):.1f} % ({len(pairs)} pairs)"
+        )
+    print(
+        f"  off against vLLM alone (other engines: the spread between engines included): "
+        f"{statistics.median(offs) / statistics.median(alone) * 100:.1f} % "
+        f"({len(offs)} / {len(alone)} batches)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384)
@@ -793,6 +929,15 @@ def main() -> None:
         "started late, and one cold request's timeline",
     )
     parser.add_argument(
+        "--parts",
+        type=int,
+        default=0,
+        metavar="CYCLES",
+        help="instead of the comparison: lmcache's throughput cost split into lookups and "
+        "saves inside each lmcache engine (CYCLES cycles of full / lookups-only / saves-only / "
+        "off, switched between batches; --rounds ABBA engines, vLLM alone's for reference)",
+    )
+    parser.add_argument(
         "--first-prefix-hit",
         action="store_true",
         help="instead of the comparison: vLLM alone's own prefix-cache hits in this fresh "
@@ -863,6 +1008,9 @@ def main() -> None:
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
     }
+    if args.parts:
+        _parts(model, kv, max_len, args.rounds, args.parts, args.batch)
+        return
     samples: dict[str, list[dict[str, list[float]]]] = {"base": [], "lmcache": []}
     for rnd in range(args.rounds):
         # ABBA: the machine's drift over a run weighs on both engines alike
