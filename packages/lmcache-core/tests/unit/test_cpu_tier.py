@@ -291,3 +291,38 @@ def test_allocate_many_evicts_lru_first_and_stops_at_leased_chunks() -> None:
     assert tier.allocate_many((5, 4, 32), torch.float32, 1) == []  # larger than the budget
     for lease in [held, *leases, *more]:
         lease.release()
+
+
+def test_allocate_many_at_budget_evicts_as_many_single_evictions_would() -> None:
+    """A full tier asked for k buffers evicts exactly the k least recently used entries nobody
+    else leases (a leased one is skipped, not evicted), counts each, and keeps the rest intact;
+    half-size entries count by their bytes: two go for one full-size buffer."""
+    tier, metrics = _tier(8)
+    keys = [bytes([i]) for i in range(8)]
+    for i, key in enumerate(keys):
+        _put(tier, key, float(i))
+    held = _get(tier, keys[1])  # leased: the second oldest must survive
+    leases = tier.allocate_many(SHAPE, torch.float32, 3, metrics=metrics)
+    assert len(leases) == 3 and metrics.value("evicted_chunks") == 3
+    gone = [k for k in keys if not tier.contains(k)]
+    assert gone == [keys[0], keys[2], keys[3]]
+    for i in (1, 4, 5, 6, 7):
+        lease = _get(tier, keys[i])
+        assert torch.equal(lease.tensor, torch.full(SHAPE, float(i)))
+        lease.release()
+    for lease in [held, *leases]:
+        lease.release()
+
+    half = (1, 4, 32)  # 512 bytes: two fill one full-size slot
+    small, small_metrics = _tier(2)
+    for i, key in enumerate((b"x", b"y", b"z", b"w")):
+        lease = small.allocate(half, torch.float32)
+        assert lease is not None
+        with lease:
+            lease.tensor.fill_(float(i))
+            small.put(key, lease, None)
+    (full,) = small.allocate_many(SHAPE, torch.float32, 1, metrics=small_metrics)
+    assert small_metrics.value("evicted_chunks") == 2
+    assert not small.contains(b"x") and not small.contains(b"y")
+    assert small.contains(b"z") and small.contains(b"w")
+    full.release()

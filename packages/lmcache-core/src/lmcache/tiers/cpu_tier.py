@@ -304,11 +304,26 @@ class CPUTier:
                 out += self.pool.allocate_many(shape, dtype, count - len(out))
                 if len(out) >= count:
                     return out
-                victim = next((k for k, e in self._entries.items() if e.lease.ref_count == 1), None)
-                if victim is None:
+                victims = self._victims((count - len(out)) * nbytes)
+                if not victims:
                     return out
-                self._entries.pop(victim).lease.release()
-                counts.evicted_chunks.inc()
+                for key in victims:
+                    self._entries.pop(key).lease.release()
+                counts.evicted_chunks.inc(len(victims))
+
+    def _victims(self, nbytes: int) -> list[bytes]:
+        """Keys of the least recently used entries nobody else leases that together hold at
+        least ``nbytes`` (all there are when they hold less): what that many single evictions
+        would drop when the buffers are alike, found in one pass. Caller holds the lock."""
+        keys: list[bytes] = []
+        freed = 0
+        for key, entry in self._entries.items():
+            if freed >= nbytes:
+                break
+            if entry.lease.ref_count == 1:
+                keys.append(key)
+                freed += entry.lease.nbytes
+        return keys
 
     def remove(self, key: bytes) -> bool:
         """Drop the entry under ``key``; returns whether there was one."""
