@@ -143,6 +143,10 @@ class _Profile:
         self.skipped_profiles = 0  # calls not profiled: another profile was active
         self.phase = ""
         self.hooks: dict[tuple[str, str], list[float]] = {}
+        # phase -> seconds vLLM's thread spent in lmcache's hooks, a call inside another once
+        # (vLLM 0.26's in-tree wrapper binds inside start_load_kv)
+        self.outer: dict[str, float] = {}
+        self._depth = 0
         self.rows: list[str] = []
         self.jobs: list[tuple[str, float, float, float]] = []  # kind, start, end, CPU s
         self.requests: list[tuple[str, float, float]] = []  # phase, start, TTFT
@@ -246,9 +250,11 @@ class _Profile:
             if outer:
                 outer = self._enable(hook_prof)
                 self._in_hook = outer
+            self._depth += 1
             try:
                 return fn(*a, **k)
             finally:
+                self._depth -= 1
                 if outer:
                     hook_prof.disable()  # type: ignore[union-attr]
                     self._in_hook = False
@@ -256,6 +262,8 @@ class _Profile:
                 cell = self.hooks.setdefault((self.phase, name), [0.0, 0])
                 cell[0] += end - t
                 cell[1] += 1
+                if self._depth == 0:
+                    self.outer[self.phase] = self.outer.get(self.phase, 0.0) + end - t
                 if self.spans is not None:
                     self.spans.append(("vLLM's thread", short, t, end))
 
@@ -740,11 +748,8 @@ def _parts(
     ABBA order. Prints per engine the median tok/s per variant and the time vLLM's thread spent
     in lmcache's hooks per batch, then every variant against ``off`` over pairs taken in the
     same cycle of the same engine."""
-    import threading
-
     from lmcache_vllm.scheduler import SchedulerSide
     from lmcache_vllm.testing import make_prompt
-    from lmcache_vllm.worker import WorkerSide
 
     switch = {"saves": True, "lookups": True}
     save_spec, matched = SchedulerSide._save_spec, SchedulerSide._matched
@@ -757,36 +762,8 @@ def _parts(
 
     SchedulerSide._save_spec = _save_spec  # type: ignore[method-assign]
     SchedulerSide._matched = _matched  # type: ignore[method-assign]
-    hooks: dict[str, float] = {}  # hook -> seconds; "" -> all hooks (a nested call once)
-    main = threading.main_thread()
-    depth = [0]
-
-    def _timed(name: str, fn: Any) -> Any:
-        def timed(*a: Any, **k: Any) -> Any:
-            if threading.current_thread() is not main:
-                return fn(*a, **k)
-            start = time.perf_counter()
-            depth[0] += 1
-            try:
-                return fn(*a, **k)
-            finally:
-                depth[0] -= 1
-                took = time.perf_counter() - start
-                hooks[name] = hooks.get(name, 0.0) + took
-                if depth[0] == 0:  # vLLM 0.26's in-tree wrapper binds inside start_load_kv
-                    hooks[""] = hooks.get("", 0.0) + took
-
-        return timed
-
-    for cls, names in (
-        (
-            SchedulerSide,
-            ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta"),
-        ),
-        (WorkerSide, ("bind", "start_load_kv", "save_kv_layer", "wait_for_save", "get_finished")),
-    ):
-        for name in names:
-            setattr(cls, name, _timed(name, getattr(cls, name)))
+    # the hook timing of --profile --no-cprofile, one phase per counted batch
+    prof = _Profile(Path(tempfile.mkdtemp(prefix="lmcache-parts-")), cprofile=False)
     seed = itertools.count(50_000, batch)
 
     def _batch() -> list[list[int]]:
@@ -806,11 +783,19 @@ def _parts(
                     order = order[1:] + order[:1] if cycle % 2 else order[::-1]
                     for name in order:
                         switch["saves"], switch["lookups"] = _PARTS[name]
+                        prof.phase = "skip"
                         _throughput(llm, _batch())  # takes the last variant's tail
-                        hooks.clear()
-                        tput = _throughput(llm, _batch())
                         key = (tag, name if kind == "lmcache" else "alone")
-                        got.setdefault(key, []).append((tput, dict(hooks)))
+                        prof.phase = f"{key}{cycle}"
+                        tput = _throughput(llm, _batch())
+                        calls = {  # vLLM's hooks, not the methods they call
+                            short: sec
+                            for (ph, hook), (sec, _) in prof.hooks.items()
+                            if ph == prof.phase
+                            and not (short := hook.rsplit(".", 1)[-1]).startswith("_")
+                        }
+                        calls[""] = prof.outer.get(prof.phase, 0.0)
+                        got.setdefault(key, []).append((tput, calls))
                 switch["saves"] = switch["lookups"] = True
     print(
         f"\n--parts: {cycles} cycles per engine, batches of {batch} new 2k-token prompts "
