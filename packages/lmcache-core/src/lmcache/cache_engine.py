@@ -226,8 +226,11 @@ class LMCacheEngine:
         transfer: TransferSpec | None,
         salt: str,
         extra_keys: ExtraKeys | None = None,
+        *,
+        lazy: bool = False,
     ) -> RequestPlan:
-        """Validate a request and compute its chunk keys."""
+        """Validate a request and compute its chunk keys (``lazy``: as far as they are read,
+        for lookups)."""
         return plan_request(
             tokens,
             mask,
@@ -236,6 +239,7 @@ class LMCacheEngine:
             fingerprint=self._fingerprint,
             salt=self.config.cache_salt + "\0" + salt,
             extra_keys=extra_keys,
+            lazy=lazy,
         )
 
     def _chunk_shape(self, num_tokens: int) -> tuple[int, int, int]:
@@ -255,9 +259,11 @@ class LMCacheEngine:
         """Leases on the longest run of stored chunks from chunk ``first`` on, in any tier
         (:func:`lmcache.tiers.cascade.hit_run`); chunks in ``held`` get a share of its lease.
         The caller releases the leases."""
-        keys = plan.keys[first:]
+        keys = plan.keys[first:] if first else plan.keys  # a lazy chain stays lazy
         ranges = plan.ranges[first:]
-        shapes = [self._chunk_shape(end - start) for start, end in ranges]
+        shapes = [self._chunk_shape(self.chunk_size)] * len(ranges)
+        if ranges and ranges[-1][1] - ranges[-1][0] != self.chunk_size:
+            shapes[-1] = self._chunk_shape(ranges[-1][1] - ranges[-1][0])
 
         def cpu_lease(i: int) -> MemoryLease | None:
             start, end = ranges[i]
@@ -404,11 +410,12 @@ class LMCacheEngine:
                 :func:`lmcache.keys.chunk_keys`.
 
         Raises:
-            ValueError, TypeError: malformed tokens or ``extra_keys``.
+            ValueError, TypeError: malformed tokens or ``extra_keys`` (token ids are read, and
+                checked, only as far as the stored prefix goes: up to the first missing chunk).
         """
         if self._closed:
             raise RuntimeError("LMCacheEngine.lookup: the engine is closed.")
-        plan = self._plan(tokens, None, None, salt, extra_keys)
+        plan = self._plan(tokens, None, None, salt, extra_keys, lazy=True)
         found = cascade.stored_prefix(self._tiers, plan.keys)
         self._touch(plan.keys[:found])
         return self._count_lookup(plan, found)
@@ -434,11 +441,12 @@ class LMCacheEngine:
             failed its checksum). Release it (or use it as a context manager) when done.
 
         Raises:
-            ValueError, TypeError: malformed tokens or ``extra_keys``.
+            ValueError, TypeError: malformed tokens or ``extra_keys`` (token ids are read, and
+                checked, only as far as the stored prefix goes: up to the first missing chunk).
         """
         if self._closed:
             raise RuntimeError("LMCacheEngine.lookup_and_lease: the engine is closed.")
-        plan = self._plan(tokens, None, None, salt, extra_keys)
+        plan = self._plan(tokens, None, None, salt, extra_keys, lazy=True)
         chunks = self._hit_run(plan, 0)
         self._touch(plan.keys[: len(chunks)])
         return HeldHit(chunks, self._count_lookup(plan, len(chunks)))

@@ -20,13 +20,19 @@ token before it, so equal keys mean equal prefixes; the seed makes it depend on 
 (:meth:`lmcache.metadata.LMCacheMetadata.fingerprint`) and the cache salt (tenant isolation). Keys
 do not depend on ``PYTHONHASHSEED``, the process or the host. The test vectors in
 ``tests/unit/test_keys.py`` pin the format; changing it needs a new format tag.
+
+:func:`chunk_keys` computes every key of a request at once (a store needs them all);
+:class:`KeyChain` computes them on first use, in chain order, so a lookup that misses its first
+chunk hashes (and reads the token ids of) one chunk, not the whole prompt.
 """
 
 from __future__ import annotations
 
+import operator
 import sys
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import overload
 
 import torch
 import xxhash
@@ -36,6 +42,7 @@ __all__ = [
     "EXTRA_TAG",
     "KEY_FORMAT",
     "KEY_NBYTES",
+    "KeyChain",
     "chunk_keys",
     "chunk_ranges",
     "key_hex",
@@ -74,9 +81,11 @@ def chunk_ranges(num_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
         raise ValueError(f"num_tokens must be >= 0, found {num_tokens}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, found {chunk_size}; use e.g. 256")
-    return [
-        (start, min(start + chunk_size, num_tokens)) for start in range(0, num_tokens, chunk_size)
-    ]
+    full = num_tokens - num_tokens % chunk_size
+    ranges = [(start, start + chunk_size) for start in range(0, full, chunk_size)]
+    if full < num_tokens:
+        ranges.append((full, num_tokens))
+    return ranges
 
 
 def chunk_keys(
@@ -112,30 +121,118 @@ def chunk_keys(
         TypeError: ``fingerprint``/``salt`` have the wrong type, tokens are not integers, or an
             ``extra_keys`` index is not an int or a value not bytes.
     """
-    if not isinstance(fingerprint, bytes | bytearray | memoryview):
-        raise TypeError(
-            f"fingerprint must be bytes (e.g. LMCacheMetadata.fingerprint()), found "
-            f"{type(fingerprint).__name__}"
-        )
-    if isinstance(salt, str):
-        salt_bytes = salt.encode("utf-8")
-    elif isinstance(salt, bytes | bytearray):
-        salt_bytes = bytes(salt)
-    else:
-        raise TypeError(f"salt must be str or bytes, found {type(salt).__name__}")
-    packed = _pack_tokens(token_ids)
-    ranges = chunk_ranges(len(packed), chunk_size)
-    extras = _check_extras(extra_keys, len(ranges))
-    data = memoryview(packed).cast("B")
-    prev = xxhash.xxh3_128_digest(KEY_FORMAT + bytes(fingerprint) + b"\0" + salt_bytes)
-    keys: list[bytes] = []
-    for index, (start, end) in enumerate(ranges):
-        extra = extras.get(index)
-        if extra is not None:
-            prev = xxhash.xxh3_128_digest(prev + EXTRA_TAG + extra)
-        prev = xxhash.xxh3_128_digest(prev + data[start * 4 : end * 4])
-        keys.append(prev)
-    return keys
+    chain = KeyChain(token_ids, fingerprint, chunk_size, salt=salt, extra_keys=extra_keys)
+    chain._pack_all()  # every key is needed: one packing of every token is cheaper
+    return chain[:]
+
+
+class KeyChain(Sequence[bytes]):
+    """The keys of :func:`chunk_keys`, each computed on first use (in chain order) and kept.
+
+    ``chain[i]`` hashes chunks ``0..i`` if not done yet; ``len(chain)`` is the number of chunks
+    and costs nothing. The arguments' types, the tensor's shape and dtype and ``extra_keys`` are
+    checked at construction, the token *values* as their chunks are hashed (so a lookup that
+    stops at its first missing chunk neither reads nor checks the tokens after it).
+
+    Args: as :func:`chunk_keys`.
+
+    Raises:
+        At construction: as :func:`chunk_keys`, except for token values; when a chunk is
+        hashed: ``ValueError`` / ``TypeError`` for a token id of that chunk outside
+        ``[0, 2**32)`` or not an int.
+    """
+
+    __slots__ = ("_cs", "_data", "_extras", "_keys", "_n", "_num_chunks", "_prev", "_tokens")
+
+    def __init__(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        fingerprint: bytes,
+        chunk_size: int,
+        *,
+        salt: str | bytes = b"",
+        extra_keys: Mapping[int, bytes] | None = None,
+    ) -> None:
+        if not isinstance(fingerprint, bytes | bytearray | memoryview):
+            raise TypeError(
+                f"fingerprint must be bytes (e.g. LMCacheMetadata.fingerprint()), found "
+                f"{type(fingerprint).__name__}"
+            )
+        if isinstance(salt, str):
+            salt_bytes = salt.encode("utf-8")
+        elif isinstance(salt, bytes | bytearray):
+            salt_bytes = bytes(salt)
+        else:
+            raise TypeError(f"salt must be str or bytes, found {type(salt).__name__}")
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be > 0, found {chunk_size}; use e.g. 256")
+        self._tokens = _token_values(token_ids)
+        self._n = len(self._tokens)
+        self._cs = chunk_size
+        self._num_chunks = -(-self._n // chunk_size)
+        self._extras = _check_extras(extra_keys, self._num_chunks)
+        self._prev = xxhash.xxh3_128_digest(KEY_FORMAT + bytes(fingerprint) + b"\0" + salt_bytes)
+        self._keys: list[bytes] = []
+        # a list is packed one chunk at a time (only what is hashed is read); a tensor's values
+        # are packed at once (``tolist`` then ``array`` costs more than the hashing it saves)
+        self._data: memoryview | None = None
+        if isinstance(token_ids, torch.Tensor):
+            self._data = memoryview(_pack(self._tokens, 0)).cast("B")
+
+    def __len__(self) -> int:
+        return self._num_chunks
+
+    def computed(self) -> int:
+        """How many leading keys are computed so far."""
+        return len(self._keys)
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[bytes]: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | list[bytes]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._num_chunks)
+            span = range(start, stop, step)
+            if span:
+                self._extend(max(span[0], span[-1]) + 1)
+            return [self._keys[i] for i in span]
+        i = operator.index(index)
+        if 0 <= i < len(self._keys):
+            return self._keys[i]
+        if i < 0:
+            i += self._num_chunks
+        if not 0 <= i < self._num_chunks:
+            raise IndexError(f"chunk index {index} out of range for {self._num_chunks} chunks")
+        self._extend(i + 1)
+        return self._keys[i]
+
+    def __iter__(self) -> Iterator[bytes]:
+        for i in range(self._num_chunks):
+            yield self[i]
+
+    def _pack_all(self) -> None:
+        if self._data is None:
+            self._data = memoryview(_pack(self._tokens, 0)).cast("B")
+
+    def _extend(self, count: int) -> None:
+        """Compute keys up to ``count`` (exclusive)."""
+        keys, cs, prev = self._keys, self._cs, self._prev
+        for index in range(len(keys), count):
+            start = index * cs
+            end = min(start + cs, self._n)
+            extra = self._extras.get(index)
+            if extra is not None:
+                prev = xxhash.xxh3_128_digest(prev + EXTRA_TAG + extra)
+            if self._data is not None:
+                chunk: memoryview | array[int] = self._data[start * 4 : end * 4]
+            else:
+                chunk = _pack(self._tokens[start:end], start)
+            prev = xxhash.xxh3_128_digest(prev + chunk)
+            keys.append(prev)
+        self._prev = prev
 
 
 def key_hex(key: bytes) -> str:
@@ -179,8 +276,8 @@ def _check_extras(extra_keys: Mapping[int, bytes] | None, num_chunks: int) -> di
     return out
 
 
-def _pack_tokens(token_ids: Sequence[int] | torch.Tensor) -> array[int]:
-    """Token ids as a little-endian uint32 array."""
+def _token_values(token_ids: Sequence[int] | torch.Tensor) -> Sequence[int]:
+    """The token ids as a sequence of Python values (a tensor checked and copied to a list)."""
     if isinstance(token_ids, torch.Tensor):
         tensor = token_ids.detach()
         if tensor.dim() != 1:
@@ -190,19 +287,23 @@ def _pack_tokens(token_ids: Sequence[int] | torch.Tensor) -> array[int]:
         if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
             raise TypeError(f"token_ids tensor must have an integer dtype, found {tensor.dtype}")
         values: Sequence[int] = tensor.cpu().tolist()
-    else:
-        values = token_ids
+        return values
+    return token_ids
+
+
+def _pack(values: Sequence[int], offset: int) -> array[int]:
+    """``values`` (token ids from index ``offset`` on) as a little-endian uint32 array."""
     try:
         packed = array(_UINT32_CODE, values)
     except (OverflowError, TypeError) as exc:
-        raise _bad_token(values) from exc
+        raise _bad_token(values, offset) from exc
     if sys.byteorder == "big":
         packed.byteswap()
     return packed
 
 
-def _bad_token(values: Sequence[int]) -> Exception:
-    for index, token in enumerate(values):
+def _bad_token(values: Sequence[int], offset: int = 0) -> Exception:
+    for index, token in enumerate(values, offset):
         if not isinstance(token, int):
             try:
                 token = token.__index__()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lmcache.gpu_connector.interface import TransferSpec
-from lmcache.keys import chunk_keys, chunk_ranges
+from lmcache.keys import KeyChain, chunk_keys, chunk_ranges
 
 __all__ = ["ExtraKeys", "RequestPlan", "Tokens", "plan_request"]
 
@@ -32,13 +32,14 @@ class RequestPlan:
 
     Attributes:
         num_tokens: Tokens of the request.
-        keys: One chunk key per chunk, in chain order.
+        keys: One chunk key per chunk, in chain order (a :class:`~lmcache.keys.KeyChain` that
+            computes them on first use for a lookup's plan).
         ranges: Half-open token range ``(start, end)`` of each chunk.
         first_chunk: First chunk after the mask's ``False`` prefix.
     """
 
     num_tokens: int
-    keys: list[bytes]
+    keys: Sequence[bytes]
     ranges: list[tuple[int, int]]
     first_chunk: int
 
@@ -52,8 +53,9 @@ def plan_request(
     fingerprint: bytes,
     salt: str,
     extra_keys: ExtraKeys | None = None,
+    lazy: bool = False,
 ) -> RequestPlan:
-    """Validate a request and compute its chunk keys.
+    """Validate a request and compute its chunk keys (``lazy``: on first use).
 
     Args:
         tokens: Token ids ``[num_tokens]``.
@@ -64,6 +66,8 @@ def plan_request(
         fingerprint: Seeds the key chain (``LMCacheMetadata.fingerprint()``).
         salt: The full cache salt.
         extra_keys: Extra key material per chunk index.
+        lazy: Keys as a :class:`~lmcache.keys.KeyChain`, hashed (and their token ids checked)
+            as far as they are read: for a lookup, which stops at its first missing chunk.
 
     Raises:
         ValueError: malformed tokens, mask, slot mapping or ``extra_keys``.
@@ -100,6 +104,10 @@ def plan_request(
                 f"transfer.slot_mapping must be [num_tokens={num_tokens}] (one slot per token "
                 f"of the request), found shape {tuple(sm.shape)}."
             )
-    keys = chunk_keys(tokens, fingerprint, cs, salt=salt, extra_keys=extra_keys)
+    keys: Sequence[bytes]
+    if lazy:
+        keys = KeyChain(tokens, fingerprint, cs, salt=salt, extra_keys=extra_keys)
+    else:
+        keys = chunk_keys(tokens, fingerprint, cs, salt=salt, extra_keys=extra_keys)
     ranges = chunk_ranges(num_tokens, cs)
     return RequestPlan(num_tokens, keys, ranges, -(-masked // cs))

@@ -670,3 +670,31 @@ def test_layerwise_load_layers_in_groups_matches_per_layer() -> None:
     loaded = retriever.finish()
     assert s.conn.calls["to_gpu_layer"] == LAYERS  # the default: one call per layer
     s.check_loaded(src, dst, loaded)
+
+
+def test_lookups_read_tokens_only_up_to_the_first_missing_chunk() -> None:
+    """A lookup hashes (and checks) its tokens as far as the stored prefix goes plus the first
+    missing chunk; the answer is the same as with every key computed (a recompute by
+    ``chunk_keys`` against the tier), and a bad token inside that span is still an error."""
+    s = Setup()
+    tokens, src, _ = s.request(3 * CS)
+    assert (
+        s.engine.store(tokens[: 2 * CS], None, TransferSpec(src.slot_mapping[: 2 * CS])) == 2 * CS
+    )
+    longer = tokens.tolist() + [7] * CS
+    keys = chunk_keys(longer, s.engine._fingerprint, CS, salt=s.config.cache_salt + "\0")
+    assert [s.engine.tier.contains(k) for k in keys] == [True, True, False, False]
+    assert s.engine.lookup(longer) == 2 * CS
+    with s.engine.lookup_and_lease(longer) as hit:
+        assert hit.num_tokens == 2 * CS
+    bad_late = [*tokens.tolist(), 2**40]  # in chunk 3: after the first missing chunk (2)
+    assert s.engine.lookup(bad_late) == 2 * CS
+    with s.engine.lookup_and_lease(bad_late) as hit:
+        assert hit.num_tokens == 2 * CS
+    bad_next = tokens[: 2 * CS].tolist() + [-1] * 3  # in chunk 2: the one the lookup reads
+    with pytest.raises(ValueError, match=rf"token_ids\[{2 * CS}\] = -1"):
+        s.engine.lookup(bad_next)
+    with pytest.raises(ValueError, match=rf"token_ids\[{2 * CS}\] = -1"):
+        s.engine.lookup_and_lease(bad_next)
+    s.engine.clear()
+    assert s.engine.pool.used_bytes == 0  # the failed lookup's leases were released

@@ -14,7 +14,15 @@ import pytest
 import torch
 import xxhash
 
-from lmcache.keys import EXTRA_MAX_NBYTES, EXTRA_TAG, KEY_NBYTES, chunk_keys, chunk_ranges, key_hex
+from lmcache.keys import (
+    EXTRA_MAX_NBYTES,
+    EXTRA_TAG,
+    KEY_NBYTES,
+    KeyChain,
+    chunk_keys,
+    chunk_ranges,
+    key_hex,
+)
 
 # Published test vectors of format lmcache-chunk-key-v1:
 # (token ids, fingerprint, salt, chunk_size) -> expected key hex per chunk.
@@ -355,3 +363,60 @@ def test_large_input_matches_chunkwise_recompute() -> None:
     # every chunk of the chain against the step-by-step reference (a list input to the
     # reference, a tensor to chunk_keys)
     assert [key_hex(k) for k in keys] == reference_keys(tokens.tolist(), b"fp", b"", 256)
+
+
+# ------------------------------------------------------------------ KeyChain (keys on first use)
+
+
+def test_key_chain_matches_reference_read_in_any_order() -> None:
+    gen = torch.Generator().manual_seed(5)
+    for n, chunk in [(0, 4), (1, 1), (257, 256), (1000, 64), (700, 7)]:
+        tokens = torch.randint(0, 2**31 - 1, (n,), generator=gen).tolist()
+        extras = {
+            i: bytes([i % 256]) * (1 + i % 64) for i in range(0, len(chunk_ranges(n, chunk)), 3)
+        }
+        want = reference_keys(tokens, b"fp", "s", chunk, extras)
+        for source in (tokens, torch.tensor(tokens, dtype=torch.int64)):
+            chain = KeyChain(source, b"fp", chunk, salt="s", extra_keys=extras)
+            assert len(chain) == len(want) and chain.computed() == 0  # len costs nothing
+            if want:
+                assert key_hex(chain[-1]) == want[-1]  # the last first: every key on the way
+                assert chain.computed() == len(want)
+            assert [key_hex(k) for k in chain] == want
+            fresh = KeyChain(source, b"fp", chunk, salt="s", extra_keys=extras)
+            assert [key_hex(k) for k in fresh[1:4]] == want[1:4]
+            assert [key_hex(k) for k in fresh[::-2]] == want[::-2]
+            assert fresh[5:2] == [] and fresh[:] == chunk_keys(
+                source, b"fp", chunk, salt="s", extra_keys=extras
+            )
+
+
+def test_key_chain_hashes_only_what_is_read() -> None:
+    tokens = [*range(8), -5, *range(7)]  # chunk_size 4: a bad token in chunk 2
+    chain = KeyChain(tokens, b"fp", 4)
+    assert chain[0] == chunk_keys(tokens[:4], b"fp", 4)[0]
+    assert chain[:2] == chunk_keys(tokens[:8], b"fp", 4)
+    assert chain.computed() == 2
+    with pytest.raises(ValueError, match=r"token_ids\[8\] = -5 is outside"):
+        chain[2]  # the index is the token's position in the request, not in its chunk
+    with pytest.raises(TypeError, match=r"token_ids\[9\] = 'x' is a str"):
+        KeyChain([0] * 9 + ["x"], b"fp", 4)[:]  # type: ignore[list-item]
+    with pytest.raises(IndexError, match="out of range for 4 chunks"):
+        chain[4]
+    with pytest.raises(IndexError):
+        chain[-5]
+
+
+def test_key_chain_checks_everything_but_token_values_at_once() -> None:
+    with pytest.raises(TypeError, match="fingerprint"):
+        KeyChain([1], "fp", 2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="salt"):
+        KeyChain([1], b"fp", 2, salt=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chunk_size"):
+        KeyChain([1], b"fp", 0)
+    with pytest.raises(ValueError, match="1-D"):
+        KeyChain(torch.zeros(2, 2, dtype=torch.int64), b"fp", 2)
+    with pytest.raises(TypeError, match="integer dtype"):
+        KeyChain(torch.tensor([1.0]), b"fp", 2)
+    with pytest.raises(ValueError, match="not a chunk index"):
+        KeyChain([1, 2, 3], b"fp", 2, extra_keys={2: b"x"})

@@ -356,12 +356,22 @@ class UnpublishedSaves:
             Whether there was such a save (look again).
         """
         cut = min(len(tokens), (found // self.chunk_size + 1) * self.chunk_size)
-        want = list(tokens[:cut])
+        if cut <= 0:
+            return False
+        first, last = tokens[0], tokens[cut - 1]
+        want: list[int] | None = None
 
         def _blocking() -> bool:
-            return any(
-                s == salt and len(t) >= cut and t[:cut] == want for s, t in self._saves.values()
-            )
+            nonlocal want
+            for s, t in self._saves.values():
+                # most saves differ in their first or last needed token: no slice compared
+                if s != salt or len(t) < cut or t[0] != first or t[cut - 1] != last:
+                    continue
+                if want is None:
+                    want = list(tokens[:cut])
+                if t[:cut] == want:
+                    return True
+            return False
 
         with self._cond:
             if not _blocking():

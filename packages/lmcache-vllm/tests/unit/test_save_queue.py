@@ -237,3 +237,30 @@ def test_a_lookup_waiting_for_an_unpublished_save_hurries_only_while_it_waits():
     threading.Timer(0.05, saves.done, (job,)).start()
     assert saves.wait_for("", [1, 2, 3, 4, 5, 6, 7, 8], 0, timeout=5.0, hurry=_Hurry)
     assert entered == ["in", "out"]
+
+
+def test_a_lookup_waits_only_for_saves_that_extend_its_hit():
+    """``wait_for``'s match against its definition (same salt, the same tokens through the
+    first missing chunk), over random saves built to share first/last tokens and lengths."""
+    import random
+
+    from lmcache_vllm.save_queue import UnpublishedSaves
+
+    rng = random.Random(0)
+    for _ in range(300):
+        saves = UnpublishedSaves(chunk_size=4)
+        query = [rng.randrange(3) for _ in range(rng.randrange(1, 14))]
+        found = rng.randrange(0, len(query) + 1) // 4 * 4
+        salt = rng.choice(["", "t"])
+        stored = []
+        for _ in range(rng.randrange(0, 4)):
+            tokens = list(query[: rng.randrange(0, len(query) + 1)])
+            tokens += [rng.randrange(3) for _ in range(rng.randrange(0, 6))]
+            if tokens and rng.random() < 0.5:
+                tokens[rng.randrange(len(tokens))] = rng.randrange(3)
+            s = rng.choice(["", "t"])
+            stored.append((s, tokens))
+            saves.add(s, tokens)
+        cut = min(len(query), (found // 4 + 1) * 4)
+        want = any(s == salt and t[:cut] == query[:cut] and len(t) >= cut for s, t in stored)
+        assert saves.wait_for(salt, query, found, timeout=0.0) == want, (query, found, stored)
