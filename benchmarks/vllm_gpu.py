@@ -38,14 +38,16 @@ instead: vLLM alone's own prefix-cache hits in a fresh process (the first prefil
 context of a process is slow, with or without lmcache). ``--parts CYCLES`` also measures
 something else instead: lmcache's throughput cost split into its lookups and its saves, inside
 each lmcache engine (switched between batches, compared over pairs from the same engine and
-cycle), which leaves out the spread between engines (``--parts 12 --rounds 2``: about 4
-minutes on an H200).
+cycle), which leaves out the spread between engines, and Python's garbage collections per
+batch (time, full collections) for each part (``--parts 12 --rounds 2``: about 4 minutes on an
+H200).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import itertools
 import os
 import statistics
@@ -765,6 +767,20 @@ def _parts(
     # the hook timing of --profile --no-cprofile, one phase per counted batch
     prof = _Profile(Path(tempfile.mkdtemp(prefix="lmcache-parts-")), cprofile=False)
     seed = itertools.count(50_000, batch)
+    # Python's garbage collections per phase (any thread; they stop every thread): seconds,
+    # full (generation 2) collections
+    collected: dict[str, list[float]] = {}
+    gc_began = [0.0]
+
+    def _gc(when: str, info: dict[str, int]) -> None:
+        if when == "start":
+            gc_began[0] = time.perf_counter()
+            return
+        rec = collected.setdefault(prof.phase, [0.0, 0.0])
+        rec[0] += time.perf_counter() - gc_began[0]
+        rec[1] += info["generation"] == 2
+
+    gc.callbacks.append(_gc)
 
     def _batch() -> list[list[int]]:
         first = next(seed)
@@ -795,11 +811,14 @@ def _parts(
                             and not (short := hook.rsplit(".", 1)[-1]).startswith("_")
                         }
                         calls[""] = prof.outer.get(prof.phase, 0.0)
+                        calls["\0gc"], calls["\0gc2"] = collected.get(prof.phase, (0.0, 0.0))
                         got.setdefault(key, []).append((tput, calls))
                 switch["saves"] = switch["lookups"] = True
+    gc.callbacks.remove(_gc)
     print(
         f"\n--parts: {cycles} cycles per engine, batches of {batch} new 2k-token prompts "
-        "(median tok/s; vLLM's thread in lmcache's hooks, ms per batch, largest first)"
+        "(median tok/s; vLLM's thread in lmcache's hooks, ms per batch, largest first; Python's "
+        "garbage collections per batch, time and full ones)"
     )
     for (tag, name), rows in got.items():
         spent: dict[str, float] = {}
@@ -807,6 +826,7 @@ def _parts(
             for hook, sec in h.items():
                 spent[hook] = spent.get(hook, 0.0) + sec / len(rows)
         total = spent.pop("", 0.0)
+        gc_s, gc_full = spent.pop("\0gc", 0.0), spent.pop("\0gc2", 0.0)
         top = ", ".join(
             f"{hook} {1e3 * sec:.1f}"
             for hook, sec in sorted(spent.items(), key=lambda x: -x[1])[:3]
@@ -816,6 +836,7 @@ def _parts(
         print(
             f"  {tag:<10} {name:<13} {med:>9.0f} tok/s  hooks {1e3 * total:5.1f} ms"
             + (f" ({top})" if top else "")
+            + f"; gc {1e3 * gc_s:.1f} ms, {gc_full:.2f} full"
         )
     alone = [t for (tag, name), rows in got.items() if name == "alone" for t, _ in rows]
     offs = [t for (tag, name), rows in got.items() if name == "off" for t, _ in rows]
