@@ -53,7 +53,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,22 @@ def _throughput(llm: Any, prompts: list[list[int]]) -> float:
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     return sum(len(p) for p in prompts) / (time.perf_counter() - start)
+
+
+def _on_gc(record: Callable[[int, float, float], None]) -> Callable[[str, dict[str, Any]], None]:
+    """Call ``record(generation, start, end)`` (``perf_counter`` seconds) after each of Python's
+    garbage collections, in whichever thread ran it; returns the callback installed in
+    ``gc.callbacks`` (remove it to stop)."""
+    began = [0.0]
+
+    def _callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            record(int(info.get("generation", -1)), began[0], time.perf_counter())
+
+    gc.callbacks.append(_callback)
+    return _callback
 
 
 class _Profile:
@@ -180,7 +196,6 @@ class _Profile:
                     continue
                 setattr(cls, name, self._wrap(f"{cls.__name__}.{name}", fn))
         if spans:
-            import gc
             import importlib
 
             from lmcache.layerwise import StagedStore
@@ -189,16 +204,12 @@ class _Profile:
             # the parts of a commit job: asleep (copy, gate) or publishing
             StagedStore.commit = self._span("publish", StagedStore.commit)  # type: ignore[method-assign]
             QuietGate.wait = self._span("gate wait", QuietGate.wait)  # type: ignore[method-assign]
-            gc_start: list[float] = []
 
-            def _gc(phase: str, info: dict[str, Any]) -> None:  # Python's collections
-                if phase == "start":
-                    gc_start[:] = [time.perf_counter()]
-                elif gc_start and self.spans is not None:
-                    what = f"gc gen{info.get('generation')}"
-                    self.spans.append(("gc", what, gc_start[0], time.perf_counter()))
+            def _gc(generation: int, start: float, end: float) -> None:  # Python's collections
+                if self.spans is not None:
+                    self.spans.append(("gc", f"gc gen{generation}", start, end))
 
-            gc.callbacks.append(_gc)
+            _on_gc(_gc)
             # vLLM's own phases, where this version has them (the timeline places them)
             for module, cls_name, names in (
                 (
@@ -770,17 +781,13 @@ def _parts(
     # Python's garbage collections per phase (any thread; they stop every thread): seconds,
     # full (generation 2) collections
     collected: dict[str, list[float]] = {}
-    gc_began = [0.0]
 
-    def _gc(when: str, info: dict[str, int]) -> None:
-        if when == "start":
-            gc_began[0] = time.perf_counter()
-            return
+    def _gc(generation: int, start: float, end: float) -> None:
         rec = collected.setdefault(prof.phase, [0.0, 0.0])
-        rec[0] += time.perf_counter() - gc_began[0]
-        rec[1] += info["generation"] == 2
+        rec[0] += end - start
+        rec[1] += generation == 2
 
-    gc.callbacks.append(_gc)
+    untimed = _on_gc(_gc)
 
     def _batch() -> list[list[int]]:
         first = next(seed)
@@ -814,7 +821,7 @@ def _parts(
                         calls["\0gc"], calls["\0gc2"] = collected.get(prof.phase, (0.0, 0.0))
                         got.setdefault(key, []).append((tput, calls))
                 switch["saves"] = switch["lookups"] = True
-    gc.callbacks.remove(_gc)
+    gc.callbacks.remove(untimed)
     print(
         f"\n--parts: {cycles} cycles per engine, batches of {batch} new 2k-token prompts "
         "(median tok/s; vLLM's thread in lmcache's hooks, ms per batch, largest first; Python's "
