@@ -9,7 +9,8 @@ the same tokens, so the engine skips that prefill.
 Public entry points (imported lazily; ``import lmcache`` never imports an engine):
 
 - :class:`lmcache.config.LMCacheConfig`, :func:`lmcache.config.load_config`
-- :class:`lmcache.metadata.LMCacheMetadata`
+- :class:`lmcache.metadata.LMCacheMetadata` and :func:`lmcache.model_identity.model_digest`
+  (what a model name stands for: configuration and weights)
 - :class:`lmcache.cache_engine.LMCacheEngine` (``lookup`` / ``lookup_and_lease`` / ``store`` /
   ``retrieve``) and :class:`lmcache.held_hit.HeldHit` (a leased lookup hit)
 - :func:`lmcache.gpu_connector.CreateGPUConnector` and the connector interface

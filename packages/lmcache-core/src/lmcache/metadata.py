@@ -40,6 +40,11 @@ class LMCacheMetadata:
         kv_cache_dtype: The engine's KV-cache dtype setting (e.g. ``"fp8_e4m3"``); ``""`` for
             the engine's default (vLLM's ``"auto"``). Two settings may store the same
             ``kv_dtype`` element type with different scaling, so the setting is a fact of its own.
+        model_digest: What the model name stands for beyond its name: a digest of the engine's
+            effective model configuration and of the weights (a local folder's files, or a hub
+            snapshot's commit; :func:`lmcache.model_identity.model_digest`); ``""`` when
+            unknown. A folder rebuilt in place, or the same model started with other
+            configuration overrides, gets other keys.
     """
 
     model_name: str
@@ -57,6 +62,7 @@ class LMCacheMetadata:
     model_revision: str = ""
     quantization: str = ""
     kv_cache_dtype: str = ""
+    model_digest: str = ""
 
     def __post_init__(self) -> None:
         problems = []
@@ -76,7 +82,7 @@ class LMCacheMetadata:
             problems.append(f"use_mla=True needs head_size_v=0, found {self.head_size_v}")
         if not self.use_mla and self.head_size_v <= 0:
             problems.append(f"head_size_v={self.head_size_v} must be > 0 unless use_mla")
-        for name in ("model_revision", "quantization", "kv_cache_dtype"):
+        for name in ("model_revision", "quantization", "kv_cache_dtype", "model_digest"):
             if not isinstance(getattr(self, name), str):
                 problems.append(
                     f'{name}={getattr(self, name)!r} must be a str ("" when not applicable)'
@@ -101,9 +107,9 @@ class LMCacheMetadata:
         """Canonical bytes of every fact that changes the KV bytes of a chunk.
 
         Includes the model, geometry, dtype, chunk size and tensor-parallel rank/size, and
-        ``model_revision``, ``quantization`` and ``kv_cache_dtype`` when they are non-empty (so
-        fingerprints, and keys, of metadata without them are those of format ``lmcache-kv-v1``
-        before these fields existed); excludes the local (per-node) placement, which does not
+        ``model_revision``, ``quantization``, ``kv_cache_dtype`` and ``model_digest`` when they
+        are non-empty (so fingerprints, and keys, of metadata without them are those of format
+        ``lmcache-kv-v1`` before these fields existed); excludes the local (per-node) placement, which does not
         change the bytes.
 
         Returns:
@@ -122,7 +128,7 @@ class LMCacheMetadata:
             "use_mla": self.use_mla,
             "chunk_size": self.chunk_size,
         }
-        for name in ("model_revision", "quantization", "kv_cache_dtype"):
+        for name in ("model_revision", "quantization", "kv_cache_dtype", "model_digest"):
             value = getattr(self, name)
             if value:
                 facts[name] = value

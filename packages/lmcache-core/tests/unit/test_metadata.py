@@ -36,7 +36,12 @@ def test_fingerprint_without_the_optional_facts_is_unchanged() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("model_revision", "0123abcd"), ("quantization", "awq"), ("kv_cache_dtype", "fp8_e4m3")],
+    [
+        ("model_revision", "0123abcd"),
+        ("quantization", "awq"),
+        ("kv_cache_dtype", "fp8_e4m3"),
+        ("model_digest", "9f0e"),
+    ],
 )
 def test_each_optional_fact_changes_fingerprint_and_keys(field: str, value: str) -> None:
     md = _metadata(**{field: value})
@@ -56,9 +61,10 @@ def test_optional_facts_are_told_apart() -> None:
         _metadata(model_revision="x").fingerprint(),
         _metadata(quantization="x").fingerprint(),
         _metadata(kv_cache_dtype="x").fingerprint(),
+        _metadata(model_digest="x").fingerprint(),
         _metadata(model_revision="x", quantization="x", kv_cache_dtype="x").fingerprint(),
     }
-    assert len(prints) == 4
+    assert len(prints) == 5
 
 
 def test_invalid_metadata() -> None:
