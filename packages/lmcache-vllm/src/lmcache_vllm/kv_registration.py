@@ -4,12 +4,14 @@
 :func:`order_caches` puts vLLM's ``{layer name: cache}`` in layer order; :func:`build_metadata`
 reads the geometry from the real tensors (shape and dtype, never assumed) and every
 configuration fact that changes the KV bytes (model, revision, quantization, KV-cache dtype,
-tensor-parallel rank) into :class:`~lmcache.metadata.LMCacheMetadata`, whose fingerprint seeds
+tensor-parallel rank, and a digest of the effective model configuration and of the weights,
+:func:`lmcache.model_identity.model_digest`) into :class:`~lmcache.metadata.LMCacheMetadata`, whose fingerprint seeds
 every chunk key.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -19,11 +21,14 @@ from lmcache.config import LMCacheConfig
 from lmcache.gpu_connector import CreateGPUConnector, EngineInfo, KVLayoutError
 from lmcache.metadata import LMCacheMetadata
 from lmcache.metrics import LMCacheMetrics
+from lmcache.model_identity import model_digest
 from lmcache.tiers import process_cpu_tier
 from lmcache_vllm.cpu_layout_probe import probe_cpu_kv_format
 from lmcache_vllm.utils import calculate_local_rank_and_world_size
 
-__all__ = ["build_engine", "build_metadata", "order_caches"]
+__all__ = ["build_engine", "build_metadata", "order_caches", "vllm_model_digest"]
+
+logger = logging.getLogger(__name__)
 
 
 def _layer_index(name: str, fallback: int) -> int:
@@ -47,6 +52,28 @@ def order_caches(kv_caches: dict[str, torch.Tensor]) -> tuple[list[str], list[to
     order = sorted(range(len(names)), key=lambda i: (_layer_index(names[i], i), i))
     names = [names[i] for i in order]
     return names, [kv_caches[n] for n in names]
+
+
+def vllm_model_digest(model_config: Any) -> str:
+    """:func:`~lmcache.model_identity.model_digest` of vLLM's model: its effective Hugging Face
+    configuration (``hf_config``, after ``hf_overrides``) and its weights (a local folder's
+    files, or the hub snapshot's commit). ``""`` (keys by name, revision and geometry only) when
+    vLLM's config cannot be read, logged."""
+    mc = model_config
+    try:
+        hf = getattr(mc, "hf_config", None)
+        cfg = hf.to_dict() if hf is not None and hasattr(hf, "to_dict") else None
+        revision = getattr(mc, "revision", None)
+        return model_digest(str(mc.model), config=cfg, revision=revision)
+    except Exception as e:
+        logger.warning(
+            "lmcache: cannot digest the configuration and weights of %s (%s: %s); chunk keys "
+            "cover its name, revision and geometry only",
+            getattr(mc, "model", "?"),
+            type(e).__name__,
+            e,
+        )
+        return ""
 
 
 def build_metadata(
@@ -98,6 +125,7 @@ def build_metadata(
         model_revision=str(getattr(mc, "revision", None) or ""),
         quantization=str(getattr(mc, "quantization", None) or ""),
         kv_cache_dtype=kv_cache_dtype,
+        model_digest=vllm_model_digest(mc),
     )
     hints: dict[str, Any] = {}
     if use_mla:

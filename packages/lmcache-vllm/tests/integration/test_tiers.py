@@ -124,6 +124,50 @@ def test_lower_tier_only_staging_and_salts(model_dir, baseline, lower_cfg):
         assert engine.metrics.value(f"{kind}_hit_chunks") >= 12
 
 
+def test_model_rebuilt_in_place_never_meets_its_old_kv(tmp_path):
+    """A model folder rebuilt with other weights at the same path, then a restart over the
+    same disk folder: the old chunks are never loaded (the keys cover the weights' digest), and
+    a restart of the unchanged model still hits."""
+    from vllm import LLM, SamplingParams
+
+    from lmcache_vllm.testing import build_tiny_llama
+
+    from .conftest import engine_kwargs, shutdown_engine
+
+    geometry = {
+        "hidden_size": 256,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 1000,
+        "max_position_embeddings": 2048,
+    }
+    model = tmp_path / "model"
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompt = {"prompt_token_ids": PROMPTS["p300"]}
+
+    def gen(cfg: dict[str, Any] | None, **kw: Any) -> tuple[list[int], int]:
+        llm = LLM(**engine_kwargs(model, kv_transfer_config=cfg, **kw))
+        try:
+            (o,) = llm.generate([prompt], sp, use_tqdm=False)
+            return list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)
+        finally:
+            shutdown_engine(llm)
+
+    cfg = _disk(tmp_path / "kv")
+    build_tiny_llama(model, seed=11, **geometry)
+    old, cached = gen(cfg)
+    assert cached == 0
+    _reset_process_tiers()
+    assert gen(cfg) == (old, 256)  # the same weights after a restart: a disk hit
+    build_tiny_llama(model, seed=12, **geometry)  # same path, other weights
+    _reset_process_tiers()
+    new, _ = gen(None, enable_prefix_caching=False)
+    assert new != old  # else a wrong hit could not show
+    assert gen(cfg) == (new, 0)
+
+
 def test_disk_corruption_is_a_recompute(run, baseline, tmp_path):
     folder = tmp_path / "kv"
     run([PROMPTS["p256"]], _disk(folder))

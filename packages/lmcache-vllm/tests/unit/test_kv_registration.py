@@ -70,3 +70,52 @@ def test_caches_in_layer_order_and_bad_views_refused():
         build_metadata(
             _config(), ["a"], [torch.zeros(4, 16, 64)], chunk_size=64, world_size=2, rank=1
         )
+
+
+class _HfConfig:
+    def __init__(self, **values: object) -> None:
+        self.values = values
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self.values)
+
+
+def test_effective_hf_config_changes_the_fingerprint():
+    """Another RoPE base (``hf_overrides``) gives other KV for the same model name."""
+    base = _fingerprint(hf_config=_HfConfig(rope_theta=10000.0, _name_or_path="org/m"))
+    assert base == _fingerprint(hf_config=_HfConfig(rope_theta=10000.0, _name_or_path="x"))
+    assert base != _fingerprint(hf_config=_HfConfig(rope_theta=500000.0, _name_or_path="org/m"))
+    assert base != _fingerprint()  # no hf_config: name, revision and geometry only
+
+
+def test_local_weights_rebuilt_in_place_change_the_fingerprint(tmp_path):
+    """A model folder rebuilt with other weights (same path) must not meet its old KV (a disk
+    or Redis tier keeps it across restarts)."""
+    from lmcache_vllm.testing import build_tiny_llama
+
+    tiny = {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
+    folder = build_tiny_llama(tmp_path / "m", seed=0, **tiny)
+    first = _fingerprint(model=str(folder))
+    assert _fingerprint(model=str(folder)) == first
+    build_tiny_llama(folder, seed=1, **tiny)  # same folder, new random weights
+    assert _fingerprint(model=str(folder)) != first
+
+
+def test_hub_snapshot_commit_changes_the_fingerprint(tmp_path, monkeypatch):
+    """A hub id resolves to its snapshot's commit in the local Hugging Face cache: an update of
+    the model under the same id gets new keys."""
+    from huggingface_hub import constants
+
+    repo = tmp_path / "models--org--hubm"
+    for commit in ("a" * 40, "b" * 40):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    (repo / "refs" / "main").write_text("a" * 40)
+    first = _fingerprint(model="org/hubm")
+    (repo / "refs" / "main").write_text("b" * 40)
+    assert _fingerprint(model="org/hubm") != first
+    assert _fingerprint(model="org/hubm", revision="a" * 40) != _fingerprint(
+        model="org/hubm", revision="b" * 40
+    )
