@@ -145,6 +145,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
             model_revision=self.facts.model_revision,
             quantization=self.facts.quantization,
             kv_cache_dtype=self.facts.kv_cache_dtype,
+            model_digest=self.facts.model_digest,
         )
         if self.is_mla != metadata.use_mla:
             raise ValueError(

@@ -10,12 +10,16 @@ reads what changes the KV bytes from SGLang's ``ServerArgs``; :func:`tp_rank_and
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lmcache.config import ConfigError, LMCacheConfig, load_config
+from lmcache.model_identity import model_digest
 
 __all__ = [
     "CONFIG_FILE_KEY",
@@ -90,10 +94,28 @@ class ModelFacts:
     model_revision: str = ""
     quantization: str = ""
     kv_cache_dtype: str = ""
+    model_digest: str = ""
+
+
+def _sglang_model_digest(model: str, server_args: Any) -> str:
+    """:func:`~lmcache.model_identity.model_digest` of SGLang's model: a local folder's
+    ``config.json`` and weights (or the hub snapshot's commit) and the configuration overrides
+    (``--json-model-override-args``)."""
+    config: dict[str, Any] = {}
+    overrides = getattr(server_args, "json_model_override_args", None) or "{}"
+    try:
+        config["overrides"] = json.loads(overrides) if isinstance(overrides, str) else overrides
+    except ValueError:
+        config["overrides"] = str(overrides)
+    path = Path(model) / "config.json"
+    with contextlib.suppress(OSError, ValueError):  # a hub id: its commit keys it
+        config["config.json"] = json.loads(path.read_text())
+    return model_digest(model, config=config, revision=getattr(server_args, "revision", None))
 
 
 def model_facts(server_args: Any) -> ModelFacts:
-    """Model path, revision, quantization and KV-cache dtype setting of SGLang's ``ServerArgs``."""
+    """Model path, revision, quantization and KV-cache dtype setting of SGLang's ``ServerArgs``,
+    and the digest of its configuration and weights (:func:`_sglang_model_digest`)."""
     model = str(getattr(server_args, "model_path", "") or "")
     if not model:
         raise ConfigError(
@@ -106,6 +128,7 @@ def model_facts(server_args: Any) -> ModelFacts:
         model_revision=str(getattr(server_args, "revision", None) or ""),
         quantization=str(getattr(server_args, "quantization", None) or ""),
         kv_cache_dtype="" if kv_dtype == "auto" else kv_dtype,
+        model_digest=_sglang_model_digest(model, server_args),
     )
 
 

@@ -193,6 +193,7 @@ def build_metadata(
     model_revision: str = "",
     quantization: str = "",
     kv_cache_dtype: str = "",
+    model_digest: str = "",
 ) -> LMCacheMetadata:
     """Metadata of a pool whose chunks hold ``page_size`` tokens (an SGLang page for the page
     hooks; lmcache's ``chunk_size`` for ``--enable-lmcache``).
@@ -218,4 +219,5 @@ def build_metadata(
         model_revision=model_revision,
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
+        model_digest=model_digest,
     )

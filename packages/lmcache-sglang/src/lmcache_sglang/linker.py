@@ -108,6 +108,7 @@ def build_page_store(
         model_revision=facts.model_revision,
         quantization=facts.quantization,
         kv_cache_dtype=facts.kv_cache_dtype,
+        model_digest=facts.model_digest,
     )
     connector = CreateGPUConnector(
         config, metadata, layers.engine_info(page_size), layers.layout_hints

@@ -182,6 +182,7 @@ class UnifiedLMCacheMPConnector:
             model_revision=facts.model_revision,
             quantization=facts.quantization,
             kv_cache_dtype=facts.kv_cache_dtype,
+            model_digest=facts.model_digest,
         )
         connector = CreateGPUConnector(
             self.config, metadata, layers.engine_info(self.page_size), layers.layout_hints

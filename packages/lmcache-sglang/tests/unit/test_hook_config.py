@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -93,3 +94,25 @@ def test_model_facts_cover_what_changes_the_bytes() -> None:
     assert model_facts(SimpleNamespace(model_path="/m", kv_cache_dtype="auto")).kv_cache_dtype == ""
     with pytest.raises(ConfigError):
         model_facts(SimpleNamespace(model_path=""))
+
+
+def test_model_digest_follows_weights_config_and_overrides(tmp_path) -> None:
+    """A model folder rebuilt in place, or served with other overrides, gets other keys."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"rope_theta": 10000.0}')
+    weights = folder / "model.safetensors"
+    weights.write_bytes(b"\0" * 64)
+
+    def digest(**more: object) -> str:
+        return model_facts(SimpleNamespace(model_path=str(folder), **more)).model_digest
+
+    base = digest()
+    assert base and base == digest()
+    assert digest(json_model_override_args='{"rope_theta": 500000.0}') != base
+    (folder / "config.json").write_text('{"rope_theta": 20000.0}')
+    edited = digest()
+    assert edited != base
+    weights.write_bytes(b"\1" * 64)
+    os.utime(weights, ns=(1, weights.stat().st_mtime_ns + 10**9))
+    assert digest() not in {base, edited}
