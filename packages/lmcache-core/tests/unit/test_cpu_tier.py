@@ -47,6 +47,7 @@ def test_put_get_roundtrip_and_ownership() -> None:
     tier, _ = _tier(4)
     _put(tier, b"a", 1.5)
     assert tier.contains(b"a") and len(tier) == 1 and not tier.contains(b"b")
+    assert tier.missing([b"b", b"a", b"c"]) == [0, 2]
     assert tier.get(b"b") is None
     lease = _get(tier, b"a")
     assert torch.equal(lease.tensor, torch.full(SHAPE, 1.5))
@@ -326,3 +327,55 @@ def test_allocate_many_at_budget_evicts_as_many_single_evictions_would() -> None
     assert not small.contains(b"x") and not small.contains(b"y")
     assert small.contains(b"z") and small.contains(b"w")
     full.release()
+
+
+def test_full_tier_hands_evicted_buffers_over_in_address_order() -> None:
+    """At budget, the buffers of evicted entries of the same shape become the new buffers
+    (the same bytes, no pool pass), lowest address first, so a prompt stored over an evicted
+    one gets back-to-back buffers; a leased entry keeps its bytes, an entry of another shape
+    goes back to the pool, and the pool's accounting is that of release + allocate."""
+    tier, metrics = _tier(8)
+    keys = [bytes([i]) for i in range(8)]
+    for i, key in enumerate(keys):
+        _put(tier, key, float(i))
+    ptrs = {k: _get_ptr(tier, k) for k in keys}
+    tier.touch_many(keys)  # one chain: keys[7] is the least recently used, keys[0] the most
+    held = _get(tier, keys[6])  # leased: skipped, its bytes must survive
+    leases = tier.allocate_many(SHAPE, torch.float32, 3, metrics=metrics)
+    assert [k for k in keys if not tier.contains(k)] == [keys[4], keys[5], keys[7]]
+    evicted = sorted(ptrs[k] for k in (keys[4], keys[5], keys[7]))
+    assert [lease.tensor.data_ptr() for lease in leases] == evicted  # not LRU order: 7, 5, 4
+    assert metrics.value("evicted_chunks") == 3
+    assert tier.pool.used_bytes == 8 * CHUNK_BYTES
+    for n, lease in enumerate(leases):
+        assert lease.ref_count == 1 and tuple(lease.tensor.shape) == SHAPE
+        lease.tensor.fill_(100.0 + n)
+        tier.put(bytes([100 + n]), lease, tensor_checksum(lease.tensor))
+        lease.release()
+    assert torch.equal(held.tensor, torch.full(SHAPE, 6.0))
+    for i in (0, 1, 2, 3, 6):
+        lease = _get(tier, keys[i])
+        assert torch.equal(lease.tensor, torch.full(SHAPE, float(i)))
+        lease.release()
+    for n in range(3):
+        lease = _get(tier, bytes([100 + n]))
+        assert torch.equal(lease.tensor, torch.full(SHAPE, 100.0 + n)) and lease.ref_count == 2
+        lease.release()
+    held.release()
+
+    # another shape: the victims' bytes go back to the pool and are allocated anew
+    half = (1, 4, 32)
+    (small,) = tier.allocate_many(half, torch.float32, 1, metrics=metrics)
+    assert metrics.value("evicted_chunks") == 4 and len(tier) == 7
+    assert tier.pool.used_bytes == 7 * CHUNK_BYTES + half[0] * half[1] * half[2] * 4
+    small.release()
+    tier.clear()
+    assert tier.pool.used_bytes == 0
+
+
+def _get_ptr(tier: CPUTier, key: bytes) -> int:
+    lease = _get(tier, key)
+    try:
+        return lease.tensor.data_ptr()
+    finally:
+        lease.release()

@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
-from lmcache.memory.pinned_pool import ALIGNMENT, HostMemoryPool, LeaseError, MemoryLease
+from lmcache.memory.pinned_pool import (
+    ALIGNMENT,
+    HostMemoryPool,
+    LeaseError,
+    MemoryLease,
+    aligned_bytes,
+)
 
-__all__ = ["ALIGNMENT", "HostMemoryPool", "LeaseError", "MemoryLease"]
+__all__ = ["ALIGNMENT", "HostMemoryPool", "LeaseError", "MemoryLease", "aligned_bytes"]

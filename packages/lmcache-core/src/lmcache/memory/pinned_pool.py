@@ -28,16 +28,17 @@ The pool is thread-safe: one lock guards the free lists and the lease counts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
 import torch
 
-__all__ = ["ALIGNMENT", "HostMemoryPool", "LeaseError", "MemoryLease"]
+__all__ = ["ALIGNMENT", "HostMemoryPool", "LeaseError", "MemoryLease", "aligned_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,12 @@ class LeaseError(RuntimeError):
 def _align(nbytes: int) -> int:
     """Round ``nbytes`` up to a multiple of :data:`ALIGNMENT` (at least one unit)."""
     return max(ALIGNMENT, (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
+
+
+def aligned_bytes(nbytes: int) -> int:
+    """Bytes of the pool an allocation of ``nbytes`` takes (:attr:`MemoryLease.pool_bytes`):
+    ``nbytes`` rounded up to a multiple of :data:`ALIGNMENT`, at least one unit."""
+    return _align(nbytes)
 
 
 @dataclass(eq=False)
@@ -157,6 +164,12 @@ class MemoryLease:
         return self._alloc.view.numel() * self._alloc.view.element_size()
 
     @property
+    def pool_bytes(self) -> int:
+        """Bytes of the pool these bytes take (:attr:`nbytes` rounded up to :data:`ALIGNMENT`):
+        what releasing the last lease on them gives back."""
+        return self._alloc.size
+
+    @property
     def released(self) -> bool:
         """Whether this lease was released (other leases on the same bytes may remain)."""
         return self._released
@@ -209,6 +222,10 @@ class MemoryLease:
             f"MemoryLease(shape={tuple(self._alloc.view.shape)}, dtype={self._alloc.view.dtype}, "
             f"nbytes={self.nbytes}, {state})"
         )
+
+
+def _refs(lease: MemoryLease) -> int:
+    return lease._alloc.refs
 
 
 class HostMemoryPool:
@@ -310,6 +327,13 @@ class HostMemoryPool:
 
     def _reserved(self) -> int:
         return sum(s.size for s in self._slabs) + self._dedicated
+
+    @contextlib.contextmanager
+    def lease_counts(self) -> Iterator[Callable[[MemoryLease], int]]:
+        """A reader of :attr:`MemoryLease.ref_count` for many leases of this pool under one
+        acquisition of the pool's lock (no other call into the pool inside the block)."""
+        with self._lock:
+            yield _refs
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryLease | None:
         """Lease a host tensor of ``shape`` and ``dtype``.

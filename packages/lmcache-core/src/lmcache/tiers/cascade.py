@@ -310,7 +310,11 @@ def keys_to_store(stack: TierStack, keys: Sequence[bytes]) -> list[int]:
     if not stack.stores_anything:
         return []
     if stack.local_cpu:
-        return [i for i, key in enumerate(keys) if not cpu_contains(stack, key)]
+        try:
+            return stack.cpu.missing(keys)
+        except Exception as exc:
+            _cpu_error(stack, "look up chunks", exc)
+            return list(range(len(keys)))
     below = lower_presence(stack, keys)
     return [i for i in range(len(keys)) if not all(p[i] for p in below)]
 

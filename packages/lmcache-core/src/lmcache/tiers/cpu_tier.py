@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 import xxhash
 
-from lmcache.memory import HostMemoryPool, MemoryLease
+from lmcache.memory import HostMemoryPool, MemoryLease, aligned_bytes
 
 if TYPE_CHECKING:
     from lmcache.metrics import LMCacheMetrics
@@ -165,6 +165,13 @@ class CPUTier:
         """Whether ``key`` is stored (no LRU touch, no checksum verification)."""
         with self._lock:
             return key in self._entries
+
+    def missing(self, keys: Sequence[bytes]) -> list[int]:
+        """Positions of the ``keys`` not stored, in order (:meth:`contains` of each, under one
+        lock acquisition; no LRU touch, no checksum verification)."""
+        with self._lock:
+            entries = self._entries
+            return [i for i, key in enumerate(keys) if key not in entries]
 
     def touch(self, key: bytes) -> bool:
         """Mark ``key`` most recently used; returns whether it is stored."""
@@ -298,31 +305,64 @@ class CPUTier:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self.pool.budget_bytes:
             return []  # evicting cannot help
+        shape = tuple(int(d) for d in shape)
         out: list[MemoryLease] = []
         with self._lock:
-            while True:
+            # A pool short of bytes for all of them cannot fit them before that many bytes are
+            # evicted (even unfragmented): evict those first, saving a failing pool pass.
+            piece = aligned_bytes(nbytes)
+            short = count * piece - self.pool.free_bytes
+            if short > 0:
+                out += self._evict(self._victims(short), counts, shape, dtype, count)
+            while len(out) < count:
                 out += self.pool.allocate_many(shape, dtype, count - len(out))
                 if len(out) >= count:
-                    return out
-                victims = self._victims((count - len(out)) * nbytes)
+                    break
+                victims = self._victims((count - len(out)) * piece)
                 if not victims:
-                    return out
-                for key in victims:
-                    self._entries.pop(key).lease.release()
-                counts.evicted_chunks.inc(len(victims))
+                    break
+                out += self._evict(victims, counts, shape, dtype, count - len(out))
+            return out
+
+    def _evict(
+        self,
+        keys: list[bytes],
+        counts: LMCacheMetrics,
+        shape: tuple[int, ...] = (),
+        dtype: torch.dtype | None = None,
+        want: int = 0,
+    ) -> list[MemoryLease]:
+        """Drop the entries under ``keys`` (from :meth:`_victims`, so only the tier leases
+        them). Up to ``want`` of those whose buffer has ``shape`` and ``dtype`` are not given
+        back to the pool but returned as they are, in address order, as the buffers being
+        allocated: the same bytes, the same objects, and no pool pass (a full tier's store of
+        a prompt reuses an evicted prompt's back-to-back buffers). Caller holds the lock."""
+        reused: list[MemoryLease] = []
+        for key in keys:
+            lease = self._entries.pop(key).lease
+            if len(reused) < want and lease.tensor.dtype == dtype and lease.tensor.shape == shape:
+                reused.append(lease)
+            else:
+                lease.release()
+        if keys:
+            counts.evicted_chunks.inc(len(keys))
+        reused.sort(key=lambda lease: lease.tensor.data_ptr())
+        return reused
 
     def _victims(self, nbytes: int) -> list[bytes]:
-        """Keys of the least recently used entries nobody else leases that together hold at
-        least ``nbytes`` (all there are when they hold less): what that many single evictions
-        would drop when the buffers are alike, found in one pass. Caller holds the lock."""
+        """Keys of the least recently used entries nobody else leases that together take at
+        least ``nbytes`` of the pool (all there are when they take less): a prefix of what
+        single evictions would drop, found in one pass (one pool lock for the lease counts).
+        Caller holds the lock."""
         keys: list[bytes] = []
         freed = 0
-        for key, entry in self._entries.items():
-            if freed >= nbytes:
-                break
-            if entry.lease.ref_count == 1:
-                keys.append(key)
-                freed += entry.lease.nbytes
+        with self.pool.lease_counts() as refs:
+            for key, entry in self._entries.items():
+                if freed >= nbytes:
+                    break
+                if refs(entry.lease) == 1:
+                    keys.append(key)
+                    freed += entry.lease.pool_bytes
         return keys
 
     def remove(self, key: bytes) -> bool:
