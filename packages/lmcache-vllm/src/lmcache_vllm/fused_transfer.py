@@ -870,6 +870,16 @@ class FusedTransfer:
             uploaded.record()
         return _PreparedFrom(layers, chunks, transfer.slot_mapping, plan, idx, check, uploaded)
 
+    def _checked_ahead(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> bool:
+        """A copy of the very chunk list and slot mapping that :meth:`_fused_prepare` checked
+        (a step's batched saves): no second check of every chunk."""
+        prep = transfer.prepared
+        return (
+            isinstance(prep, _PreparedFrom)
+            and prep.chunks is chunks
+            and prep.slots is transfer.slot_mapping
+        )
+
     def _fused_from(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
     ) -> None:

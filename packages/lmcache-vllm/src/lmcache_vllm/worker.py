@@ -337,8 +337,10 @@ class WorkerSide:
     def _slot_mapping(self, req: ReqMeta, num_tokens: int) -> torch.Tensor:
         return slot_mapping(req.block_ids, self.block_size, num_tokens)
 
-    def _mask(self, num_tokens: int, skip: int) -> torch.Tensor:
-        return skip_mask(num_tokens, skip, self.chunk_size)
+    def _mask(self, num_tokens: int, skip: int) -> torch.Tensor | None:
+        """A save's mask; ``None`` (every chunk) when ``skip`` covers no whole chunk, which
+        spares the engine building and checking one for most saves."""
+        return skip_mask(num_tokens, skip, self.chunk_size) if skip >= self.chunk_size else None
 
     def _record_load(self, req: ReqMeta, loaded: torch.Tensor | None) -> None:
         outcome = load_outcome(req, loaded, self.block_size)

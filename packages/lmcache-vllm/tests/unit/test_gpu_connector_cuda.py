@@ -329,11 +329,17 @@ def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, monkeypat
     monkeypatch.setattr(
         type(fast), "_fused_indices", lambda self, *a: (built.append(1), real(self, *a))[1]
     )
+    checked = []
+    check = type(fast).check_chunks
+    monkeypatch.setattr(
+        type(fast), "check_chunks", lambda self, *a: (checked.append(1), check(self, *a))[1]
+    )
     store.wait_event(ready)
     with torch.cuda.stream(store):
         fast.from_gpu(chunks, TransferSpec(slots, stream=store, deferred=True, prepared=prepared))
     store.synchronize()
     assert built == []  # the prepared indices were used
+    assert checked == []  # and the chunks prepare_store checked are not checked again
     refs = [torch.empty(fast.chunk_shape(e - s), dtype=torch.bfloat16) for s, e in ranges]
     ref.from_gpu([ChunkTransfer(s, e, x) for (s, e), x in zip(ranges, refs, strict=True)],
                  TransferSpec(slots))  # fmt: skip
@@ -343,7 +349,7 @@ def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, monkeypat
     other, other_chunks = leased()  # a plan of another chunk list: planned again, still exact
     with torch.cuda.stream(store):
         fast.from_gpu(other_chunks, TransferSpec(slots, stream=store, prepared=prepared))
-    assert built == [1]
+    assert built == [1] and checked == [1]
     for x, y in zip(other, refs, strict=True):
         assert torch.equal(x.tensor.view(torch.int16), y.view(torch.int16))
 

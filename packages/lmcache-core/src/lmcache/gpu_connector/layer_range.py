@@ -80,8 +80,15 @@ class LayerRangeConnector(GPUConnectorInterface, SupportsLayerwise):
         transfer: TransferSpec,
     ) -> None:
         if chunks:
-            self.check_chunks(chunks, transfer)
+            if not self._checked_ahead(chunks, transfer):
+                self.check_chunks(chunks, transfer)
             op(layers, chunks, transfer)
+
+    def _checked_ahead(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> bool:
+        """Whether :meth:`prepare_store` has run :meth:`check_chunks` on these very chunks and
+        slot mapping (``transfer.prepared``), so a copy need not check them again; never by
+        default."""
+        return False
 
     def from_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
         self._checked(self._from, range(self.num_layers), chunks, transfer)
