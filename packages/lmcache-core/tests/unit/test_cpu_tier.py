@@ -379,3 +379,21 @@ def _get_ptr(tier: CPUTier, key: bytes) -> int:
         return lease.tensor.data_ptr()
     finally:
         lease.release()
+
+
+def test_a_failing_pool_pass_loses_no_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool raising after evicted buffers were taken over: the error propagates and those
+    buffers go back to the pool (the budget is not lost for the life of the process)."""
+    tier, _ = _tier(4)
+    for i in range(4):
+        _put(tier, bytes([i]), float(i))
+    held = _get(tier, bytes([3]))  # not evicted: one buffer stays in use
+
+    def broken(*args: object) -> list[MemoryLease]:
+        raise RuntimeError("pool broke")
+
+    monkeypatch.setattr(tier.pool, "allocate_many", broken)
+    with pytest.raises(RuntimeError, match="pool broke"):
+        tier.allocate_many(SHAPE, torch.float32, 4)  # 3 taken over, the 4th needs the pool
+    assert tier.pool.used_bytes == CHUNK_BYTES and len(tier) == 1
+    held.release()

@@ -310,18 +310,23 @@ class CPUTier:
         with self._lock:
             # A pool short of bytes for all of them cannot fit them before that many bytes are
             # evicted (even unfragmented): evict those first, saving a failing pool pass.
-            piece = aligned_bytes(nbytes)
-            short = count * piece - self.pool.free_bytes
-            if short > 0:
-                out += self._evict(self._victims(short), counts, shape, dtype, count)
-            while len(out) < count:
-                out += self.pool.allocate_many(shape, dtype, count - len(out))
-                if len(out) >= count:
-                    break
-                victims = self._victims((count - len(out)) * piece)
-                if not victims:
-                    break
-                out += self._evict(victims, counts, shape, dtype, count - len(out))
+            try:
+                piece = aligned_bytes(nbytes)
+                short = count * piece - self.pool.free_bytes
+                if short > 0:
+                    out += self._evict(self._victims(short), counts, shape, dtype, count)
+                while len(out) < count:
+                    out += self.pool.allocate_many(shape, dtype, count - len(out))
+                    if len(out) >= count:
+                        break
+                    victims = self._victims((count - len(out)) * piece)
+                    if not victims:
+                        break
+                    out += self._evict(victims, counts, shape, dtype, count - len(out))
+            except BaseException:
+                for lease in out:  # no buffer is lost to a failing pass
+                    lease.release()
+                raise
             return out
 
     def _evict(
