@@ -40,7 +40,14 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["FULL_HASH_BYTES", "SAMPLE_STRIDE", "config_digest", "model_digest", "weights_digest"]
+__all__ = [
+    "FULL_HASH_BYTES",
+    "SAMPLE_STRIDE",
+    "config_digest",
+    "hf_config_dict",
+    "model_digest",
+    "weights_digest",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +96,19 @@ def _plain(value: Any) -> Any:
         except Exception:
             pass
     return _ADDRESS.sub("", str(value))
+
+
+def hf_config_dict(hf_config: Any) -> dict[str, Any] | None:
+    """An engine's Hugging Face configuration object (``PretrainedConfig``) as the dict
+    :func:`model_digest` takes; ``None`` when there is none or it cannot be read."""
+    to_dict = getattr(hf_config, "to_dict", None)
+    if not callable(to_dict):
+        return None
+    try:
+        value = to_dict()
+    except Exception:
+        return None
+    return dict(value) if isinstance(value, Mapping) else None
 
 
 def config_digest(config: Mapping[str, Any]) -> str:

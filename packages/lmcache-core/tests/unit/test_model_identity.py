@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lmcache import model_identity
-from lmcache.model_identity import config_digest, model_digest, weights_digest
+from lmcache.model_identity import config_digest, hf_config_dict, model_digest, weights_digest
 
 
 def _safetensors(path: Path, payload: bytes, header: bytes = b'{"w":{"dtype":"F32"}}') -> None:
@@ -118,3 +118,18 @@ def test_model_digest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(model_identity, "_hash_file", unreadable)
     _rewrite(folder / "model.safetensors", 0, b"\0")  # a new state: not cached
     assert model_digest(str(folder), config=cfg) == model_digest("no/such-model-here", config=cfg)
+
+
+def test_hf_config_dict() -> None:
+    class Config:
+        def __init__(self, fail: bool = False) -> None:
+            self.fail = fail
+
+        def to_dict(self) -> dict[str, object]:
+            if self.fail:
+                raise RuntimeError("unreadable")
+            return {"rope_theta": 10000.0}
+
+    assert hf_config_dict(Config()) == {"rope_theta": 10000.0}
+    assert hf_config_dict(Config(fail=True)) is None
+    assert hf_config_dict(None) is None and hf_config_dict(object()) is None

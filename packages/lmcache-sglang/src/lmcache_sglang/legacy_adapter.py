@@ -37,7 +37,7 @@ from lmcache.gpu_connector.interface import EngineInfo, KVLayoutError, TransferS
 from lmcache.held_hit import HeldHit
 from lmcache.metadata import LMCacheMetadata
 from lmcache.metrics import LMCacheMetrics
-from lmcache.model_identity import model_digest
+from lmcache.model_identity import hf_config_dict, model_digest
 from lmcache.tiers import process_cpu_tier
 from lmcache_sglang.mp_connector import lmcache_config_for_sglang
 
@@ -143,13 +143,10 @@ def _model_name(sgl_config: Any) -> str:
 def _model_digest(sgl_config: Any) -> str:
     """:func:`~lmcache.model_identity.model_digest` of SGLang's model config: its effective
     ``hf_config`` and the weights of its folder (or hub snapshot)."""
-    hf = getattr(sgl_config, "hf_config", None)
-    try:
-        cfg = hf.to_dict() if hf is not None and hasattr(hf, "to_dict") else None
-    except Exception:
-        cfg = None
     return model_digest(
-        _model_name(sgl_config), config=cfg, revision=getattr(sgl_config, "revision", None)
+        _model_name(sgl_config),
+        config=hf_config_dict(getattr(sgl_config, "hf_config", None)),
+        revision=getattr(sgl_config, "revision", None),
     )
 
 

@@ -21,7 +21,7 @@ from lmcache.config import LMCacheConfig
 from lmcache.gpu_connector import CreateGPUConnector, EngineInfo, KVLayoutError
 from lmcache.metadata import LMCacheMetadata
 from lmcache.metrics import LMCacheMetrics
-from lmcache.model_identity import model_digest
+from lmcache.model_identity import hf_config_dict, model_digest
 from lmcache.tiers import process_cpu_tier
 from lmcache_vllm.cpu_layout_probe import probe_cpu_kv_format
 from lmcache_vllm.utils import calculate_local_rank_and_world_size
@@ -61,10 +61,8 @@ def vllm_model_digest(model_config: Any) -> str:
     vLLM's config cannot be read, logged."""
     mc = model_config
     try:
-        hf = getattr(mc, "hf_config", None)
-        cfg = hf.to_dict() if hf is not None and hasattr(hf, "to_dict") else None
-        revision = getattr(mc, "revision", None)
-        return model_digest(str(mc.model), config=cfg, revision=revision)
+        cfg = hf_config_dict(getattr(mc, "hf_config", None))
+        return model_digest(str(mc.model), config=cfg, revision=getattr(mc, "revision", None))
     except Exception as e:
         logger.warning(
             "lmcache: cannot digest the configuration and weights of %s (%s: %s); chunk keys "

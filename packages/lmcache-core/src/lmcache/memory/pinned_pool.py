@@ -50,15 +50,10 @@ class LeaseError(RuntimeError):
     """A lease was used after it was released, or released twice."""
 
 
-def _align(nbytes: int) -> int:
-    """Round ``nbytes`` up to a multiple of :data:`ALIGNMENT` (at least one unit)."""
-    return max(ALIGNMENT, (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
-
-
 def aligned_bytes(nbytes: int) -> int:
     """Bytes of the pool an allocation of ``nbytes`` takes (:attr:`MemoryLease.pool_bytes`):
     ``nbytes`` rounded up to a multiple of :data:`ALIGNMENT`, at least one unit."""
-    return _align(nbytes)
+    return max(ALIGNMENT, (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
 
 
 @dataclass(eq=False)
@@ -257,7 +252,7 @@ class HostMemoryPool:
         if slab_bytes <= 0:
             raise ValueError(f"HostMemoryPool slab_bytes must be > 0, found {slab_bytes}")
         self._budget = int(budget_bytes)
-        self._slab_bytes = _align(int(slab_bytes))
+        self._slab_bytes = aligned_bytes(int(slab_bytes))
         self._pin = torch.cuda.is_available() if pin is None else bool(pin)
         self._lock = threading.Lock()
         self._slabs: list[_Slab] = []  # shared slabs, in creation order
@@ -370,7 +365,7 @@ class HostMemoryPool:
                 f"{count}"
             )
         nbytes = math.prod(shape) * dtype.itemsize
-        size = _align(nbytes)
+        size = aligned_bytes(nbytes)
         out: list[MemoryLease] = []
         # Engines call us under torch.inference_mode(); chunk views made there could not be
         # written outside it, so they are made as normal tensors.
