@@ -187,6 +187,40 @@ def test_disk_tier_restart_on_gpu(model_dir, baseline, tmp_path):
         reset_process_cpu_tiers()
 
 
+@pytest.mark.parametrize("layerwise", [False, True], ids=["batched", "layerwise"])
+def test_blocks_freed_and_reused_at_once_are_saved_as_they_were(model_dir, baseline, layerwise):
+    """vLLM frees a finished request's blocks at once; the next step writes them. With the save
+    thread slowed (every queued copy sleeps 0.3 s first), prompt A finishes in its prefill step
+    and prompt B, in the next step, can only run in A's freed blocks: A's stored chunks must
+    still be A's KV (the step's fence orders B's writes after A's gather, on the device)."""
+    from vllm import SamplingParams
+
+    from lmcache.tiers import reset_process_cpu_tiers
+    from lmcache_vllm.testing import slow_save_copies
+
+    reset_process_cpu_tiers()
+    other = make_prompt(800, seed=9, vocab_size=1000)  # 50 blocks; PROMPT takes 44
+    kv = {
+        "kv_connector": "LMCacheConnectorV1",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"lmcache.chunk_size": CHUNK, "use_layerwise": layerwise},
+    }
+    llm = _llm(model_dir, kv, num_gpu_blocks_override=52, max_model_len=816, max_num_seqs=1)
+    try:
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        with slow_save_copies(0.3) as queues:
+            outs = llm.generate(
+                [{"prompt_token_ids": p} for p in (PROMPT, other)], one, use_tqdm=False
+            )
+            assert queues and all(q.wait(timeout=60) for q in queues)
+        assert outs[0].outputs[0].token_ids[0] == baseline["prompt"][0]
+        assert llm.reset_prefix_cache()
+        assert _gen(llm, [PROMPT]) == [(baseline["prompt"], 512)]
+    finally:
+        _shutdown(llm)
+        reset_process_cpu_tiers()
+
+
 TP2_SCRIPT = """
 import json, os, sys
 from vllm import LLM, SamplingParams

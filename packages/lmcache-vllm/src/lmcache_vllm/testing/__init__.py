@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Test helpers for lmcache-vllm: a tiny random Llama built locally, prompts, and CPU engine settings.
+"""Test helpers for lmcache-vllm: a tiny random Llama built locally, prompts, CPU engine settings
+and fault injection (:func:`slow_save_copies`).
 
 Importing this package never imports vllm (only ``transformers``/``tokenizers``/``torch`` when a model
 is actually built).
@@ -7,6 +8,7 @@ is actually built).
 
 from __future__ import annotations
 
+from lmcache_vllm.testing.faults import slow_save_copies
 from lmcache_vllm.testing.tiny_lora import build_random_lora
 from lmcache_vllm.testing.tiny_model import (
     FIRST_WORD_ID,
@@ -26,5 +28,6 @@ __all__ = [
     "connector_vllm_config",
     "make_prompt",
     "shutdown_llm",
+    "slow_save_copies",
     "vllm_engine_kwargs",
 ]
