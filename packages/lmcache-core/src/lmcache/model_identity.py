@@ -45,6 +45,7 @@ __all__ = [
     "SAMPLE_STRIDE",
     "config_digest",
     "hf_config_dict",
+    "hub_snapshot",
     "model_digest",
     "weights_digest",
 ]
@@ -178,22 +179,36 @@ def weights_digest(folder: str | os.PathLike[str]) -> str:
     return digest
 
 
-def _hub_commit(model: str, revision: str | None) -> str:
-    """The commit hash of ``model``'s snapshot in the local Hugging Face cache, else ``""``."""
-    if model.count("/") != 1 or model.startswith((".", "/")):
-        return ""
+def hub_snapshot(
+    repo_id: str, filename: str = "config.json", revision: str | None = None
+) -> Path | None:
+    """The folder of ``repo_id``'s snapshot in the local Hugging Face cache that holds
+    ``filename`` (``revision``: a branch, tag or commit; ``None``: ``main``), else ``None``.
+
+    Only the cache on disk is read (never the network); ``None`` for anything that is not a
+    hub id (``org/name``), when ``huggingface_hub`` is not installed, or when the file is not
+    cached.
+    """
+    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
+        return None
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
-        return ""
+        return None
     try:
-        found = try_to_load_from_cache(model, "config.json", revision=revision)
+        found = try_to_load_from_cache(repo_id, filename, revision=revision)
     except Exception:  # a malformed id: nothing to find
-        return ""
+        return None
     if not isinstance(found, str):
-        return ""
+        return None
     snapshot = Path(found).parent
-    return snapshot.name if snapshot.parent.name == "snapshots" else ""
+    return snapshot if snapshot.parent.name == "snapshots" else None
+
+
+def _hub_commit(model: str, revision: str | None) -> str:
+    """The commit hash of ``model``'s snapshot in the local Hugging Face cache, else ``""``."""
+    snapshot = hub_snapshot(model, "config.json", revision)
+    return snapshot.name if snapshot is not None else ""
 
 
 def model_digest(

@@ -7,15 +7,17 @@ too, or it serves one request's KV to another (a wrong answer). :class:`RequestK
 vLLM ``Request`` into a :class:`RequestKey`:
 
 - ``salt``: ``""`` for a plain request; otherwise the hex xxh3-128 of the request's
-  ``cache_salt`` and LoRA adapter identity (name, path, and a digest of the adapter's files
-  when the path is a local folder). It seeds every chunk key of the request, so any salt length
-  costs 32 characters on the wire.
+  ``cache_salt`` and LoRA adapter identity (name, path, base model and a digest of the
+  adapter's files, found as vLLM finds them: a local folder, or a hub id's snapshot in the
+  local Hugging Face cache). It seeds every chunk key of the request, so any salt length costs
+  32 characters on the wire.
 - ``extra_keys``: chunk index -> 16 bytes for each chunk that holds the first placeholder token
   of a multimodal item (image, audio, video), folded from the items' content hashes
   (``MultiModalFeatureSpec.identifier``) and placeholder positions. The key chain carries them
   into every later chunk; chunks before the first item are shared with text-only requests.
 - ``skip_reason``: set when a request's KV depends on inputs that cannot be keyed safely
-  (prompt embeddings, no token ids). The connector then neither stores nor loads the request.
+  (prompt embeddings, no token ids, a LoRA adapter whose files are not found here: a hub
+  adapter before vLLM downloaded it, so its first request is neither stored nor loaded). The connector then neither stores nor loads the request.
 
 This module never imports vLLM: requests are read by attribute.
 """
@@ -32,7 +34,9 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["ADAPTER_FILES", "RequestKey", "RequestKeyer"]
+from lmcache.model_identity import hub_snapshot
+
+__all__ = ["ADAPTER_FILES", "RequestKey", "RequestKeyer", "adapter_folder"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +86,13 @@ class RequestKeyer:
             parts += ["salt", str(salt)]
         lora = getattr(request, "lora_request", None)
         if lora is not None:
-            parts += ["lora", *self._lora_identity(lora)]
+            identity = self._lora_identity(lora)
+            if identity is None:
+                return RequestKey(
+                    skip_reason=f"LoRA adapter {getattr(lora, 'lora_name', '?')!r}: no local "
+                    "folder with its files (yet), so its KV cannot be keyed by content"
+                )
+            parts += ["lora", *identity]
         key_salt = ""
         if parts:
             blob = json.dumps(parts, ensure_ascii=False).encode("utf-8", "surrogatepass")
@@ -92,21 +102,23 @@ class RequestKeyer:
 
     # ------------------------------------------------------------------ LoRA
 
-    def _lora_identity(self, lora: Any) -> list[str]:
+    def _lora_identity(self, lora: Any) -> list[str] | None:
+        """Name, path, base model and content digest of ``lora``; ``None`` when its files are
+        not found here (its content cannot be keyed)."""
         name = str(getattr(lora, "lora_name", "") or "")
         path = str(getattr(lora, "lora_path", "") or "")
         base = str(getattr(lora, "base_model_name", "") or "")
-        return [name, path, base, self._adapter_digest(path)]
+        folder = adapter_folder(path)
+        if folder is None:
+            return None
+        return [name, path, base, self._adapter_digest(folder)]
 
-    def _adapter_digest(self, path: str) -> str:
-        """xxh3-128 of the adapter's files when ``path`` is a local folder, else ``""``.
+    def _adapter_digest(self, folder: Path) -> str:
+        """xxh3-128 of the adapter folder's files (:data:`ADAPTER_FILES`).
 
-        Cached by (path, file names, sizes, mtimes), so an adapter rewritten in place under the
-        same name gets a new digest and never meets its old KV.
+        Cached by (folder, file names, sizes, mtimes), so an adapter rewritten in place under
+        the same name gets a new digest and never meets its old KV.
         """
-        if not path or not os.path.isdir(path):
-            return ""
-        folder = Path(path)
         state = tuple(
             (name, st.st_size, st.st_mtime_ns)
             for name in ADAPTER_FILES
@@ -147,6 +159,20 @@ class RequestKeyer:
             chunk: xxhash.xxh3_128_digest(b"\0".join(sorted(items)))
             for chunk, items in per_chunk.items()
         }
+
+
+def adapter_folder(path: str) -> Path | None:
+    """The local folder of a LoRA adapter named by ``path`` as vLLM resolves it (a folder,
+    ``~`` expanded; else a hub id's snapshot in the local Hugging Face cache), or ``None`` when
+    no folder with an ``adapter_config.json`` is found (never downloads)."""
+    if not path:
+        return None
+    folder = Path(os.path.expanduser(path))
+    if folder.is_dir():
+        return folder if (folder / "adapter_config.json").is_file() else None
+    if folder.exists() or folder.is_absolute():
+        return None
+    return hub_snapshot(path, "adapter_config.json")
 
 
 def _stat(path: Path) -> os.stat_result | None:

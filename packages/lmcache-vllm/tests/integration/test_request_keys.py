@@ -134,13 +134,59 @@ def test_lora_identity_name_path_and_content(tmp_path):
     assert before != after
 
 
-def test_lora_and_salt_combine():
-    lora = LoRARequest("a", 1, "/nonexistent/adapter")
+def test_lora_and_salt_combine(tmp_path):
+    lora = LoRARequest("a", 1, _adapter(tmp_path / "a", b"weights-a"))
     with_both = keys_of(make_request(TOKENS, salt="t", lora=lora))
     assert with_both[0] not in {
         keys_of(make_request(TOKENS, salt="t"))[0],
         keys_of(make_request(TOKENS, lora=lora))[0],
     }
+
+
+def _hub_adapter(cache: Path, repo: str, commit: str, payload: bytes) -> Path:
+    """``repo``'s snapshot ``commit`` in a Hugging Face cache folder, ``main`` pointing at it."""
+    root = cache / ("models--" + repo.replace("/", "--"))
+    _adapter(root / "snapshots" / commit, payload)
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+    return root / "snapshots" / commit
+
+
+def test_lora_by_hub_id_is_keyed_by_its_cached_files(tmp_path, monkeypatch):
+    """A hub id is found in the local Hugging Face cache (as vLLM downloads it there): keyed by
+    the snapshot's files, so an update under the same id is another key. Before it is cached
+    (vLLM downloads it when it first loads it) the request is neither stored nor loaded."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)  # "org/adapter" is no folder here
+    lora = LoRARequest("ad", 1, "org/adapter")
+    keyer = RequestKeyer(CHUNK)
+    missing = keyer.key(make_request(TOKENS, lora=lora))
+    assert missing.skip_reason is not None and "LoRA" in missing.skip_reason
+
+    snapshot = _hub_adapter(cache, "org/adapter", "a" * 40, b"weights-v1")
+    v1 = keys_of(make_request(TOKENS, lora=lora))
+    local = keys_of(make_request(TOKENS, lora=LoRARequest("ad", 1, str(snapshot))))
+    assert v1[0] != local[0]  # the path is part of the identity, as vLLM's own
+    _hub_adapter(cache, "org/adapter", "b" * 40, b"weights-v2")  # main moved on
+    v2 = keys_of(make_request(TOKENS, lora=lora))
+    assert v1[0] != v2[0]
+    assert keys_of(make_request(TOKENS, lora=lora)) == v2  # stable while nothing changes
+
+
+def test_lora_whose_files_are_missing_is_not_cached(tmp_path):
+    for path in ("/nonexistent/adapter", str(tmp_path), "~/no-such-adapter-here", "org/none"):
+        key = RequestKeyer(CHUNK).key(make_request(TOKENS, lora=LoRARequest("a", 1, path)))
+        assert key.skip_reason is not None and "LoRA" in key.skip_reason, path
+
+
+def test_lora_path_with_tilde_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _adapter(tmp_path / "ad", b"weights")
+    tilde = keys_of(make_request(TOKENS, lora=LoRARequest("a", 1, "~/ad")))
+    assert tilde[0] != keys_of(make_request(TOKENS))[0]
 
 
 def test_prompt_embeddings_are_not_cached():
