@@ -6,7 +6,8 @@ reads the geometry from the real tensors (shape and dtype, never assumed) and ev
 configuration fact that changes the KV bytes (model, revision, quantization, KV-cache dtype,
 tensor-parallel rank, and a digest of the effective model configuration and of the weights,
 :func:`lmcache.model_identity.model_digest`) into :class:`~lmcache.metadata.LMCacheMetadata`, whose fingerprint seeds
-every chunk key.
+every chunk key. :func:`check_kv_cache_groups` refuses a KV cache of several groups (vLLM's
+hybrid KV cache manager), whose layers do not share one block table.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from lmcache.tiers import process_cpu_tier
 from lmcache_vllm.cpu_layout_probe import probe_cpu_kv_format
 from lmcache_vllm.utils import calculate_local_rank_and_world_size
 
-__all__ = ["build_engine", "build_metadata", "order_caches", "vllm_model_digest"]
+__all__ = [
+    "build_engine",
+    "build_metadata",
+    "check_kv_cache_groups",
+    "order_caches",
+    "vllm_model_digest",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +45,30 @@ def _layer_index(name: str, fallback: int) -> int:
         return int(extract_layer_index(name))
     except Exception:
         return fallback
+
+
+def check_kv_cache_groups(kv_cache_config: Any) -> None:
+    """Refuse an engine whose KV cache has several groups (vLLM's hybrid KV cache manager).
+
+    Each group has its own block table; lmcache moves every layer through one (group 0's), so
+    with several it would read and write other blocks of the other groups' layers: wrong KV.
+    vLLM turns its hybrid manager off for a connector without hybrid support unless it is
+    forced on (``--no-disable-hybrid-kv-cache-manager``); a config of ``None`` (older vLLM) is
+    not checked here.
+
+    Raises:
+        ValueError: more than one KV cache group, with the fix.
+    """
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) <= 1:
+        return
+    kinds = sorted({type(getattr(g, "kv_cache_spec", None)).__name__ for g in groups})
+    raise ValueError(
+        f"lmcache: this engine's KV cache has {len(groups)} groups ({', '.join(kinds)}), "
+        "because vLLM's hybrid KV cache manager is on; lmcache supports one group (every "
+        "layer in one block table). Start vLLM with --disable-hybrid-kv-cache-manager (or "
+        "without --no-disable-hybrid-kv-cache-manager) to use lmcache with this model."
+    )
 
 
 def order_caches(kv_caches: dict[str, torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:

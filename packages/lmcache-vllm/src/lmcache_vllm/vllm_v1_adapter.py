@@ -32,6 +32,7 @@ from lmcache_vllm.connector_metadata import (
     SaveSpec,
     WorkerStats,
 )
+from lmcache_vllm.kv_registration import check_kv_cache_groups
 from lmcache_vllm.scheduler import SchedulerSide, engine_key
 from lmcache_vllm.utils import calculate_local_rank_and_world_size
 from lmcache_vllm.worker import WorkerSide
@@ -108,6 +109,7 @@ class LMCacheConnectorV1Impl:
         self._parent = parent
         self._role_name = getattr(role, "name", str(role))
         self.is_scheduler = self._role_name == "SCHEDULER"
+        check_kv_cache_groups(getattr(parent, "_kv_cache_config", None))
         self.config = load_lmcache_config(vllm_config)
         self.engine_key = engine_key(vllm_config)
         pc = vllm_config.parallel_config
