@@ -119,3 +119,36 @@ def test_two_adapters_in_one_batch(engine, adapters, lora_baseline):
     engine.gen(a)  # only A's KV is stored
     assert engine.gen(a, b) == [(lora_baseline["A"], 256), (lora_baseline["B"], 0)]
     assert engine.gen(b, a) == [(lora_baseline["B"], 256), (lora_baseline["A"], 256)]
+
+
+def _publish(cache: Path, repo: str, commit: str, adapter: Path) -> None:
+    """Put ``adapter``'s files in a Hugging Face cache as ``repo``'s snapshot ``commit`` and
+    point ``main`` at it, as a download of an updated adapter leaves them."""
+    import shutil
+
+    root = cache / ("models--" + repo.replace("/", "--"))
+    shutil.copytree(adapter, root / "snapshots" / commit)
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+
+
+def test_hub_adapter_updated_under_the_same_id_gets_new_keys(
+    engine, adapters, lora_baseline, tmp_path, monkeypatch
+):
+    """A LoRA adapter given by its hub id is loaded by vLLM from the Hugging Face cache (offline
+    here): it hits its own KV, and after the adapter is updated on the hub (a new snapshot, same
+    id and name) it gets other keys: no hit of the old weights' KV, the new weights' output."""
+    import huggingface_hub.constants
+    from vllm.lora.request import LoRARequest
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    _publish(cache, "org/tiny-lora", "1" * 40, Path(adapters["A"].lora_path))
+    v1 = LoRARequest("tiny-lora", 11, "org/tiny-lora")
+    assert engine.gen(v1) == [(lora_baseline["A"], 0)]
+    assert engine.gen(v1) == [(lora_baseline["A"], 256)]
+
+    _publish(cache, "org/tiny-lora", "2" * 40, Path(adapters["B"].lora_path))
+    v2 = LoRARequest("tiny-lora", 12, "org/tiny-lora")  # a new slot: vLLM loads the new weights
+    assert engine.gen(v2) == [(lora_baseline["B"], 0)], "the updated adapter got the old KV"
+    assert engine.gen(v2) == [(lora_baseline["B"], 256)]
