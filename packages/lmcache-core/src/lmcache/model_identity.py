@@ -205,12 +205,6 @@ def hub_snapshot(
     return snapshot if snapshot.parent.name == "snapshots" else None
 
 
-def _hub_commit(model: str, revision: str | None) -> str:
-    """The commit hash of ``model``'s snapshot in the local Hugging Face cache, else ``""``."""
-    snapshot = hub_snapshot(model, "config.json", revision)
-    return snapshot.name if snapshot is not None else ""
-
-
 def model_digest(
     model: str,
     *,
@@ -232,9 +226,9 @@ def model_digest(
             if weights:
                 parts.append("weights:" + weights)
         else:
-            commit = _hub_commit(model, revision)
-            if commit:
-                parts.append("hub:" + commit)
+            snapshot = hub_snapshot(model, "config.json", revision)
+            if snapshot is not None:  # its folder is named by the commit hash
+                parts.append("hub:" + snapshot.name)
     except OSError as e:
         logger.warning(
             "lmcache: cannot read the weights of %s for its cache keys (%s); keys cover its "

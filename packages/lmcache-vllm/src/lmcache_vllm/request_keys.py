@@ -16,8 +16,9 @@ vLLM ``Request`` into a :class:`RequestKey`:
   (``MultiModalFeatureSpec.identifier``) and placeholder positions. The key chain carries them
   into every later chunk; chunks before the first item are shared with text-only requests.
 - ``skip_reason``: set when a request's KV depends on inputs that cannot be keyed safely
-  (prompt embeddings, no token ids, a LoRA adapter whose files are not found here: a hub
-  adapter before vLLM downloaded it, so its first request is neither stored nor loaded). The connector then neither stores nor loads the request.
+  (prompt embeddings, no token ids, a LoRA adapter whose files are not found here, e.g. a hub
+  adapter's first request, before vLLM downloaded it). The connector then neither stores nor
+  loads the request.
 
 This module never imports vLLM: requests are read by attribute.
 """
@@ -162,9 +163,10 @@ class RequestKeyer:
 
 
 def adapter_folder(path: str) -> Path | None:
-    """The local folder of a LoRA adapter named by ``path`` as vLLM resolves it (a folder,
-    ``~`` expanded; else a hub id's snapshot in the local Hugging Face cache), or ``None`` when
-    no folder with an ``adapter_config.json`` is found (never downloads)."""
+    """The local folder of a LoRA adapter named by ``path``, resolved as vLLM's
+    ``get_adapter_absolute_path`` does (a folder, ``~`` expanded; else a hub id's snapshot, here
+    only from the local Hugging Face cache), or ``None`` when no folder with an
+    ``adapter_config.json`` is found (never downloads)."""
     if not path:
         return None
     folder = Path(os.path.expanduser(path))

@@ -192,3 +192,27 @@ def test_lora_path_with_tilde_is_expanded(tmp_path, monkeypatch):
 def test_prompt_embeddings_are_not_cached():
     key = RequestKeyer(CHUNK).key(make_request(TOKENS, embeds=torch.zeros(300, 8)))
     assert key.skip_reason is not None and "embed" in key.skip_reason
+
+
+def test_model_digest_of_a_hub_id_follows_its_cached_snapshot(tmp_path, monkeypatch):
+    """The model digest (in every chunk key) of a hub id is its cached snapshot's commit: a model
+    updated on the hub under the same id gets other keys; one not cached has none."""
+    import huggingface_hub.constants
+
+    from lmcache.model_identity import model_digest
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    assert model_digest("org/model") == ""
+    root = cache / "models--org--model"
+    for commit in ("1" * 40, "2" * 40):
+        (root / "snapshots" / commit).mkdir(parents=True)
+        (root / "snapshots" / commit / "config.json").write_text("{}")
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text("1" * 40)
+    v1 = model_digest("org/model")
+    (root / "refs" / "main").write_text("2" * 40)
+    v2 = model_digest("org/model")
+    assert "" != v1 != v2 and model_digest("org/model") == v2
+    assert model_digest("org/model", revision="1" * 40) == v1
