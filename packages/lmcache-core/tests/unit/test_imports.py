@@ -17,6 +17,7 @@ import lmcache.gpu_connector.registry
 import lmcache.gpu_connector.utils
 import lmcache.testing
 import lmcache.tiers
+from lmcache._install_hint import adapter_install_command
 
 EXPECTED_GPU_CONNECTOR_ALL = [
     "ChunkTransfer",
@@ -171,7 +172,7 @@ def test_integration_shims_without_their_adapter() -> None:
         engine = name.split(".")[2]
         hint = (
             f"lmcache.integration.{engine} requires the lmcache-{engine} adapter: "
-            f'pip install "lmcache-core[{engine}]" (or pip install lmcache-{engine})'
+            f"{adapter_install_command(engine)}"
         )
         assert result[name] == [True, True, hint, "no dunder"], name
 

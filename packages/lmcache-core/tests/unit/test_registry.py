@@ -13,6 +13,7 @@ from types import MappingProxyType
 import pytest
 import torch
 
+from lmcache._install_hint import adapter_install_command
 from lmcache.config import LMCacheConfig
 from lmcache.gpu_connector import (
     ChunkTransfer,
@@ -130,8 +131,9 @@ def test_unknown_key_lists_registered_and_names_package(monkeypatch: pytest.Monk
         CreateGPUConnector(CONFIG, META, _engine(name="vllm", device="cuda"))
     assert str(excinfo.value) == (
         "No GPU connector for 'vllm.cuda'. Registered: ['mock.cpu']. "
-        "Install lmcache-vllm (pip install 'lmcache-core[vllm]')."
+        f"Install lmcache-vllm: {adapter_install_command('vllm')}."
     )
+    assert "./dist/lmcache_vllm-" in str(excinfo.value)
 
 
 def test_duplicate_rejected_naming_both_and_clobber_replaces() -> None:

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from packaging.requirements import InvalidRequirement, Requirement
 
+from lmcache._install_hint import adapter_install_command
 from lmcache.gpu_connector.interface import EngineInfo, GPUConnectorInterface, KVLayoutError
 
 if TYPE_CHECKING:
@@ -246,7 +247,7 @@ class _Registry:
             if entry is None:
                 raise ValueError(
                     f"No GPU connector for {key!r}. Registered: {sorted(self.targets)}. "
-                    f"Install lmcache-{engine_name} (pip install 'lmcache-core[{engine_name}]')."
+                    f"Install lmcache-{engine_name}: {adapter_install_command(engine_name)}."
                 )
             if entry.selector is None and entry.import_error is None:
                 try:
@@ -273,7 +274,7 @@ class _Registry:
                 raise ValueError(
                     f"GPU connector for {key!r} is registered as {entry.target!r} "
                     f"({entry.origin}) but failed to import: {entry.import_error}. Reinstall the "
-                    f"adapter and its engine (pip install 'lmcache-core[{engine_name}]')."
+                    f"adapter and its engine: {adapter_install_command(engine_name)}."
                 )
             return entry, entry.selector
 

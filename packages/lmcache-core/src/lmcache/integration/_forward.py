@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+from lmcache._install_hint import adapter_install_command
+
 __all__ = ["forward_to"]
 
 
@@ -46,7 +48,7 @@ def forward_to(
         raise ValueError(f"forward_to: {target!r} is not in an lmcache_<engine> package")
     hint = (
         f"lmcache.integration.{engine} requires the lmcache-{engine} adapter: "
-        f'pip install "lmcache-core[{engine}]" (or pip install lmcache-{engine})'
+        f"{adapter_install_command(engine)}"
     )
 
     def _target() -> ModuleType:
