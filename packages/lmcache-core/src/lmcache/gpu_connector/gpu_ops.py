@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from lmcache._install_hint import adapter_install_command
+
 __all__ = [
     "DEVICE_ENTRY_POINT_GROUP",
     "HostDeviceOps",
@@ -163,8 +165,8 @@ def get_device_ops(device_type: str) -> HostDeviceOps:
         if ops is None:
             raise ValueError(
                 f"No host<->device ops for device type {device_type!r}. Registered: "
-                f"{sorted(_OPS)}. Install the device package (e.g. pip install "
-                f"'lmcache-core[{device_type}]') or call register_device_ops()."
+                f"{sorted(_OPS)}. Install the device package ("
+                f"{adapter_install_command(device_type)}) or call register_device_ops()."
             )
         return ops
 
