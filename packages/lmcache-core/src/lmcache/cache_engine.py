@@ -27,7 +27,9 @@ Semantics (LMCache's):
   them) but neither stored nor loaded.
 - :meth:`LMCacheEngine.store` saves the chunks after the masked prefix that are not stored yet;
   the trailing partial chunk only with ``config.save_unfull_chunk``. When memory runs short it
-  stores the leading chunks that fit and counts ``failed_allocations``; it never blocks.
+  stores the leading chunks that fit and counts ``failed_allocations``; it never blocks. It
+  never evicts the prefix it extends to make room (that would leave chunks no lookup can reach:
+  a prompt larger than the tier, repeated, then hit a different length on every run).
 - :meth:`LMCacheEngine.retrieve` loads the longest run of present chunks right after the masked
   prefix (a missing chunk ends it) and returns a mask that is ``True`` exactly for the tokens of
   the loaded chunks.
@@ -35,7 +37,9 @@ Semantics (LMCache's):
   chunks (a :class:`~lmcache.held_hit.HeldHit`): they cannot be evicted until it is released,
   and a retrieve given ``held=`` loads them without hashing them again.
 - Every store, lookup or retrieve marks its run of chunks used in chain order (earlier chunks
-  more recent), so LRU eviction takes a prompt's tail before its head.
+  more recent), and a store records each chunk's parent (the previous chunk's key), so eviction
+  takes orphans (chunks whose parent is gone) first, then a prompt's tail before its head
+  (:mod:`lmcache.tiers.cpu_tier`).
 - Each store or retrieve is one batched connector call (``from_gpu`` / ``to_gpu``) for all of its
   chunks; the layerwise variants make one call per layer.
 - A tier that fails is a miss (counted in ``tier_errors``). A connector that fails raises: the
@@ -53,6 +57,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmcache.config import ConfigError
 from lmcache.gpu_connector.interface import (
     ChunkTransfer,
     GPUConnectorInterface,
@@ -69,7 +74,7 @@ from lmcache.layerwise import (
     StoreBatch,
     release_all,
 )
-from lmcache.memory import HostMemoryPool, LeaseError, MemoryLease
+from lmcache.memory import HostMemoryPool, LeaseError, MemoryLease, aligned_bytes
 from lmcache.metrics import LMCacheMetrics
 from lmcache.request_plan import ExtraKeys, RequestPlan, Tokens, plan_request
 from lmcache.tiers import CPUTier, LowerTier, cascade, process_lower_tiers
@@ -116,7 +121,8 @@ class LMCacheEngine:
     Raises:
         ValueError: ``config.chunk_size`` differs from ``metadata.chunk_size``, or the connector's
             geometry differs from ``metadata``.
-        lmcache.config.ConfigError: a lower tier cannot be used (unwritable folder, malformed
+        lmcache.config.ConfigError: the host budget (``max_local_cpu_size``) is below one chunk,
+            or a lower tier cannot be used (unwritable folder, malformed
             URL, a disk budget below one chunk).
     """
 
@@ -165,8 +171,10 @@ class LMCacheEngine:
         self._closed = False
         self._close_lock = threading.Lock()
         layers, tokens, width = self._chunk_shape(self.chunk_size)
+        chunk_bytes = layers * tokens * width * metadata.kv_dtype.itemsize
+        self._check_cpu_budget(chunk_bytes)
         for lower in self.lower_tiers:
-            lower.check_quota(layers * tokens * width * metadata.kv_dtype.itemsize)
+            lower.check_quota(chunk_bytes)
         self.gpu_connector: GPUConnectorInterface | None = None
         if gpu_connector is not None:
             self.set_gpu_connector(gpu_connector)
@@ -174,6 +182,24 @@ class LMCacheEngine:
             logger.info("LMCacheEngine: local_cpu=False and no other tier: nothing is stored.")
 
     # ------------------------------------------------------------------ setup
+
+    def _check_cpu_budget(self, chunk_bytes: int) -> None:
+        """Refuse a host budget below one chunk: every store would be dropped without a word.
+
+        Raises:
+            ConfigError: naming ``max_local_cpu_size``, the chunk's size and the smallest budget.
+        """
+        if not (self.config.local_cpu or self.lower_tiers):
+            return  # nothing is stored or staged: the budget is unused
+        need = aligned_bytes(chunk_bytes)
+        if self.pool.budget_bytes < need:
+            raise ConfigError(
+                f"lmcache config key 'max_local_cpu_size': the host memory budget is "
+                f"{self.pool.budget_bytes} bytes, below one chunk of this model "
+                f"({self.chunk_size} tokens = {chunk_bytes} bytes), so nothing could be stored. "
+                f"Raise max_local_cpu_size to at least {need / 1024**3:.6f} GB "
+                "(a few chunks or more to be useful), or lower chunk_size."
+            )
 
     def set_gpu_connector(self, gpu_connector: GPUConnectorInterface) -> None:
         """Attach the connector (e.g. once the engine has allocated its KV caches).
@@ -273,7 +299,12 @@ class LMCacheEngine:
             return self._get(keys[i], start, end)
 
         leases = cascade.hit_run(
-            self._tiers, keys, shapes, self.metadata.kv_dtype, cpu_lease=cpu_lease
+            self._tiers,
+            keys,
+            shapes,
+            self.metadata.kv_dtype,
+            cpu_lease=cpu_lease,
+            parent=plan.keys[first - 1] if first else None,
         )
         return list(zip(keys, leases, strict=False))
 
@@ -308,7 +339,12 @@ class LMCacheEngine:
         return None
 
     def _allocate_store(self, plan: RequestPlan) -> list[Pending]:
-        """Lease buffers for the chunks a store saves (leading ones only when memory is short)."""
+        """Lease buffers for the chunks a store saves (leading ones only when memory is short).
+
+        The prefix they extend (the request's chunks before the last one stored) is never
+        evicted for them (``protect``): chunks stored at the cost of their own prefix could
+        never be hit. Each records its parent (the previous chunk's key).
+        """
         pending: list[Pending] = []
         candidates = [
             i
@@ -321,6 +357,7 @@ class LMCacheEngine:
             for n in cascade.keys_to_store(self._tiers, [plan.keys[i] for i in candidates])
         ]
         self._touch(plan.keys)  # this chain's present chunks are the last to be evicted
+        protect = frozenset(plan.keys[: todo[-1]]) if todo else frozenset()  # the prefix
         n = 0
         while n < len(todo):  # runs of chunks of one size, each leased in one pass
             tokens = plan.ranges[todo[n]][1] - plan.ranges[todo[n]][0]
@@ -331,15 +368,20 @@ class LMCacheEngine:
                 run += 1
             try:
                 leases = self.tier.allocate_many(
-                    self._chunk_shape(tokens), self.metadata.kv_dtype, run, metrics=self.metrics
+                    self._chunk_shape(tokens),
+                    self.metadata.kv_dtype,
+                    run,
+                    metrics=self.metrics,
+                    protect=protect,
                 )
             except Exception as exc:
                 self._tier_error("allocate", exc)
                 leases = []
             for i, lease in zip(todo[n : n + run], leases, strict=False):
                 start, end = plan.ranges[i]
+                parent = plan.keys[i - 1] if i else None
                 pending.append(
-                    Pending(plan.keys[i], ChunkTransfer(start, end, lease.tensor), lease)
+                    Pending(plan.keys[i], ChunkTransfer(start, end, lease.tensor), lease, parent)
                 )
             if len(leases) < run:
                 self.metrics.failed_allocations.inc()
@@ -357,7 +399,9 @@ class LMCacheEngine:
 
         ``chain`` (the request's keys) is then marked used in chain order.
         """
-        committed = cascade.publish(self._tiers, [(p.key, p.lease) for p in pending])
+        committed = cascade.publish(
+            self._tiers, [(p.key, p.lease) for p in pending], [p.parent for p in pending]
+        )
         stored_tokens = sum(p.chunk.num_tokens for p in pending[:committed])
         self._touch(chain)
         self.metrics.store_seconds.observe(time.perf_counter() - started)

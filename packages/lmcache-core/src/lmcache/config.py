@@ -117,6 +117,13 @@ class LMCacheConfig:
     remote_ttl: float = 0.0
     """Seconds a remote entry lives (Redis ``PX``); 0 keeps entries until evicted by Redis."""
 
+    tier_timeout: float = 5.0
+    """Seconds a disk or remote read (a lookup's presence query, or reading chunks into host
+    memory) may go without progress before it is abandoned: a miss for that request, counted in
+    ``tier_timeouts`` (env ``LMCACHE_TIER_TIMEOUT``). A long read that keeps moving is not cut
+    (each chunk read restarts it); after 3 timeouts in a row the tier is skipped for 30 s, then
+    probed again. 0 turns the deadline off (reads run on the caller's thread). Must be >= 0."""
+
     use_layerwise: bool = False
     """Store and load KV layer by layer, overlapping transfers with the forward pass."""
 
@@ -467,6 +474,10 @@ def _check_value(key: str, value: Any, source: str) -> None:
         raise _error(key, source, "a number of seconds > 0", value, "Use e.g. 1.0.")
     if key == "remote_ttl" and not (math.isfinite(value) and value >= 0):
         raise _error(key, source, "a number of seconds >= 0 (0: no expiry)", value, "Use 0.")
+    if key == "tier_timeout" and not (math.isfinite(value) and value >= 0):
+        raise _error(
+            key, source, "a number of seconds >= 0 (0: no deadline)", value, "Use e.g. 5.0."
+        )
 
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")

@@ -46,11 +46,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Pending:
-    """A chunk being moved: its key, the connector's view of it, and the lease on its buffer."""
+    """A chunk being moved: its key, the connector's view of it, and the lease on its buffer.
+
+    ``parent`` is the previous chunk's key in the request's chain (``None`` for chunk 0), which
+    a store records in the tiers for their eviction order.
+    """
 
     key: bytes
     chunk: ChunkTransfer
     lease: MemoryLease
+    parent: bytes | None = None
 
 
 def release_all(pending: Sequence[Pending]) -> None:

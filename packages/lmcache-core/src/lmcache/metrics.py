@@ -60,6 +60,12 @@ _SPECS: tuple[tuple[str, type[Counter] | type[Histogram], str], ...] = (
         "Chunks whose bytes did not match their checksum (treated as misses)",
     ),
     ("tier_errors", Counter, "Tier operations that failed or timed out (treated as misses)"),
+    (
+        "tier_timeouts",
+        Counter,
+        "Disk/remote reads abandoned past tier_timeout without progress (treated as misses; "
+        "also counted in tier_errors)",
+    ),
     ("disk_hit_chunks", Counter, "Chunks read from the local disk tier (verified)"),
     ("remote_hit_chunks", Counter, "Chunks read from the remote tier (verified)"),
     ("disk_stored_chunks", Counter, "Chunks written to the local disk tier"),
@@ -185,6 +191,8 @@ class LMCacheMetrics:
         failed_allocations: Allocations that did not fit even after eviction.
         checksum_failures: Chunks whose bytes did not match their checksum (treated as misses).
         tier_errors: Tier operations that failed or timed out (treated as misses).
+        tier_timeouts: Disk/remote reads abandoned past ``tier_timeout`` (also in
+            ``tier_errors``).
         disk_hit_chunks: Chunks read from the local disk tier (verified).
         remote_hit_chunks: Chunks read from the remote tier (verified).
         disk_stored_chunks: Chunks written to the local disk tier.
@@ -205,6 +213,7 @@ class LMCacheMetrics:
     failed_allocations: Counter
     checksum_failures: Counter
     tier_errors: Counter
+    tier_timeouts: Counter
     disk_hit_chunks: Counter
     remote_hit_chunks: Counter
     disk_stored_chunks: Counter

@@ -169,7 +169,7 @@ def test_longest_prefix_spans_tiers(disk_dir: Path) -> None:
 
 
 def test_disk_eviction_keeps_prefixes(disk_dir: Path) -> None:
-    """Chains are written tail first: a full disk evicts a prompt's tail before its head."""
+    """A full disk evicts a prompt's tail before its head (a written run is marked used tail first)."""
     rig = Rig([_disk(disk_dir, chunks=3)])
     rig.store(0, 3)
     rig.store(1, 1)  # the quota holds 3 chunks: one of prompt 0's must go

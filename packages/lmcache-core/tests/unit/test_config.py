@@ -23,6 +23,7 @@ DEFAULTS = {
     "remote_namespace": "lmcache",
     "remote_timeout": 1.0,
     "remote_ttl": 0.0,
+    "tier_timeout": 5.0,
     "use_layerwise": False,
     "save_decode_cache": False,
     "save_unfull_chunk": False,
@@ -267,6 +268,8 @@ def test_bad_env_value(name: str, text: str, expected: str) -> None:
         ({"remote_namespace": ""}, "remote_namespace", "1-64 letters"),
         ({"remote_timeout": 0}, "remote_timeout", "a number of seconds > 0"),
         ({"remote_ttl": -1}, "remote_ttl", "a number of seconds >= 0"),
+        ({"tier_timeout": -0.5}, "tier_timeout", "a number of seconds >= 0 (0: no deadline)"),
+        ({"tier_timeout": math.nan}, "tier_timeout", "a number of seconds >= 0 (0: no deadline)"),
         ({"max_local_cpu_size": 0}, "max_local_cpu_size", "a size > 0 GB while local_cpu"),
     ],
 )

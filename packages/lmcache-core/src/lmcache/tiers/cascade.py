@@ -20,6 +20,10 @@ hashes) cascades the same way:
   :meth:`~lmcache.tiers.LowerTier.submit_chain` (:func:`write_through`: asynchronous, a full
   queue drops and counts). With ``local_cpu`` false the CPU pool only stages the bytes: nothing
   is kept in it, and chunks every lower tier holds already are not staged again.
+- **Eviction order**: callers that know each chunk's parent (the previous chunk's key) pass it
+  (``parents=``, ``parent=``), so every tier that chooses its victims (CPU, disk) evicts orphans
+  first and a chain's tail before its head, and never evicts the prefix a store or promotion
+  extends (``protect``) to make room for it.
 - **Clear** (:func:`clear`): the CPU tier's entries of the fingerprint (``owner``) and the lower
   tiers' entries of its digest.
 
@@ -31,7 +35,7 @@ callers pass each chunk's shape (a trailing partial chunk has fewer tokens).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -180,11 +184,15 @@ def fetch_into_cpu(
     keys: Sequence[bytes],
     shapes: Sequence[Sequence[int]],
     dtype: torch.dtype,
+    *,
+    parent: bytes | None = None,
+    protect: Container[bytes] = frozenset(),
 ) -> list[MemoryLease]:
     """Read a run of chunks from ``tier`` into CPU-tier buffers, verified, promoted, leased.
 
-    Buffers come from :meth:`~lmcache.tiers.CPUTier.allocate` (evicting LRU entries; the run is
-    cut at the first allocation that fails, counted in ``failed_allocations``). The run is read
+    Buffers come from :meth:`~lmcache.tiers.CPUTier.allocate` (evicting, never the keys in
+    ``protect``; the run is cut at the first allocation that fails, counted in
+    ``failed_allocations``). The run is read
     with one :meth:`~lmcache.tiers.LowerTier.read_into`, which verifies every chunk (header,
     key, fingerprint, geometry, checksum) and stops at the first that is missing or bad. With
     ``local_cpu`` the verified chunks are put into the CPU tier (checksummed when ``checksum``;
@@ -196,6 +204,9 @@ def fetch_into_cpu(
         keys: The run's keys, in chain order.
         shapes: Each chunk's ``[num_layers, num_tokens, kv_width]``.
         dtype: The chunks' dtype.
+        parent: The key before ``keys[0]`` in its chain (``None``: the chain's head, or
+            unknown), recorded with the promoted chunks.
+        protect: CPU-tier keys not to evict for the buffers (the prefix the run extends).
 
     Returns:
         Leases on the leading chunks read and verified (the caller releases them).
@@ -203,7 +214,7 @@ def fetch_into_cpu(
     leases: list[MemoryLease] = []
     for shape in shapes[: len(keys)]:
         try:
-            lease = stack.cpu.allocate(shape, dtype, metrics=stack.metrics)
+            lease = stack.cpu.allocate(shape, dtype, metrics=stack.metrics, protect=protect)
         except Exception as exc:
             _cpu_error(stack, "allocate", exc)
             lease = None
@@ -211,7 +222,9 @@ def fetch_into_cpu(
             stack.metrics.failed_allocations.inc()
             break
         leases.append(lease)
-    requests = [ReadRequest(k, lease.tensor) for k, lease in zip(keys, leases, strict=False)]
+    # each lease goes with its request: a read abandoned past its deadline keeps a share until
+    # it returns, so the buffer released below is never reused under it
+    requests = [ReadRequest(k, lease.tensor, lease) for k, lease in zip(keys, leases, strict=False)]
     done = tier.read_into(stack.fp_digest, requests, stack.metrics)
     for lease in leases[done:]:
         lease.release()
@@ -220,9 +233,10 @@ def fetch_into_cpu(
         checksums: list[int | None] = [None] * len(leases)
         if stack.checksum:
             checksums = list(stack.cpu.checksums([lease.tensor for lease in leases]))
-        for key, lease, checksum in zip(keys, leases, checksums, strict=False):
+        parents = [parent, *keys[: len(leases) - 1]]
+        for key, lease, checksum, up in zip(keys, leases, checksums, parents, strict=False):
             try:
-                stack.cpu.put(key, lease, checksum, owner=stack.fingerprint)
+                stack.cpu.put(key, lease, checksum, owner=stack.fingerprint, parent=up)
             except Exception as exc:
                 _cpu_error(stack, "promote a chunk", exc)
                 break
@@ -236,6 +250,7 @@ def hit_run(
     dtype: torch.dtype,
     *,
     cpu_lease: Callable[[int], MemoryLease | None] | None = None,
+    parent: bytes | None = None,
 ) -> list[MemoryLease]:
     """Verified leases on the longest run of leading ``keys`` stored in any tier.
 
@@ -252,6 +267,9 @@ def hit_run(
         dtype: The chunks' dtype.
         cpu_lease: A verified lease on key ``i`` from host memory, or ``None`` when it is not
             there (e.g. a share of an already held hit, else :func:`cpu_get`).
+        parent: The key before ``keys[0]`` in its chain (``None``: the chain's head, or
+            unknown); promoted chunks record their parents, and a promotion never evicts the
+            chain's earlier keys to make room.
 
     Returns:
         One lease per leading key found, in order; the caller releases them. On an exception the
@@ -286,7 +304,15 @@ def hit_run(
                 run < len(keys) and below[source][run - base] and not cpu_contains(stack, keys[run])
             ):
                 run += 1
-            leases = fetch_into_cpu(stack, stack.lower[source], keys[i:run], shapes[i:run], dtype)
+            leases = fetch_into_cpu(
+                stack,
+                stack.lower[source],
+                keys[i:run],
+                shapes[i:run],
+                dtype,
+                parent=keys[i - 1] if i else parent,
+                protect=frozenset(keys[:i]),
+            )
             out.extend(leases)
             if len(leases) < run - i:
                 break
@@ -320,7 +346,9 @@ def keys_to_store(stack: TierStack, keys: Sequence[bytes]) -> list[int]:
 
 
 def write_through(
-    stack: TierStack, chunks: Sequence[tuple[bytes, MemoryLease, int | None]]
+    stack: TierStack,
+    chunks: Sequence[tuple[bytes, MemoryLease, int | None]],
+    parents: Sequence[bytes | None] | None = None,
 ) -> None:
     """Queue a run of one key chain for every lower tier (:meth:`~lmcache.tiers.LowerTier.
     submit_chain`: asynchronous; each tier takes its own share of the leases, and a full queue
@@ -329,41 +357,56 @@ def write_through(
     Args:
         stack: The tiers.
         chunks: ``(key, lease, checksum or None)`` per chunk, in chain order.
+        parents: Each chunk's chain parent (``None``: a chain's head, or unknown); ``None``
+            when no parent is known.
     """
     if not chunks:
         return
     for lower in stack.lower:
-        lower.submit_chain(stack.fp_digest, chunks, stack.metrics)
+        lower.submit_chain(stack.fp_digest, chunks, stack.metrics, parents=parents)
 
 
-def publish(stack: TierStack, chunks: Sequence[tuple[bytes, MemoryLease]]) -> int:
+def publish(
+    stack: TierStack,
+    chunks: Sequence[tuple[bytes, MemoryLease]],
+    parents: Sequence[bytes | None] | None = None,
+) -> int:
     """Commit filled chunk buffers: checksum, put into the CPU tier, write through below.
 
     Checksums are taken when ``checksum``; with ``local_cpu`` each chunk is put into the CPU tier
     (owner: the fingerprint; a failing ``put`` ends the run there); the committed run goes to
     :func:`write_through`. Counts ``stored_chunks`` and ``stored_bytes``. The caller keeps (and
-    releases) its leases; the tiers hold shares of their own.
+    releases) its leases; the tiers hold shares of their own. Mark the chain used afterwards
+    (:meth:`~lmcache.tiers.CPUTier.touch_many`) so its head ends up the most recent.
 
     Args:
         stack: The tiers.
         chunks: ``(key, lease)`` per chunk, in chain order, the buffers holding the chunk bytes.
+        parents: Each chunk's chain parent (the previous chunk's key; ``None`` for a chain's
+            head), recorded by the tiers for their eviction order; ``None`` when unknown.
 
     Returns:
         How many leading chunks were committed.
     """
+    ups: Sequence[bytes | None] = [None] * len(chunks) if parents is None else parents
+    if len(ups) != len(chunks):
+        raise ValueError(
+            f"cascade.publish: {len(chunks)} chunks but {len(ups)} parents; pass one parent per "
+            "chunk (None for a chain's head) or parents=None."
+        )
     checksums: list[int | None] = [None] * len(chunks)
     if stack.checksum and chunks:
         checksums = list(stack.cpu.checksums([lease.tensor for _, lease in chunks]))
     committed: list[tuple[bytes, MemoryLease, int | None]] = []
-    for (key, lease), checksum in zip(chunks, checksums, strict=True):
+    for (key, lease), checksum, up in zip(chunks, checksums, ups, strict=True):
         if stack.local_cpu:
             try:
-                stack.cpu.put(key, lease, checksum, owner=stack.fingerprint)
+                stack.cpu.put(key, lease, checksum, owner=stack.fingerprint, parent=up)
             except Exception as exc:
                 _cpu_error(stack, "store a chunk", exc)
                 break
         committed.append((key, lease, checksum))
-    write_through(stack, committed)
+    write_through(stack, committed, None if parents is None else list(ups[: len(committed)]))
     stack.metrics.stored_chunks.inc(len(committed))
     stack.metrics.stored_bytes.inc(sum(lease.nbytes for _, lease, _ in committed))
     return len(committed)

@@ -9,7 +9,7 @@ Header (little-endian, then zero padding up to :data:`HEADER_BYTES`, which keeps
 4 KiB-aligned in a file for ``O_DIRECT`` reads)::
 
     magic       4s   b"LMCK"
-    version     H    FORMAT_VERSION
+    version     H    1, or 2 when the header names the chunk's parent
     reserved    H    0
     key         16s  the chunk key (lmcache.keys.chunk_keys)
     fingerprint 16s  xxh3-128 of the storing engine's metadata fingerprint
@@ -19,7 +19,16 @@ Header (little-endian, then zero padding up to :data:`HEADER_BYTES`, which keeps
     dtype       16s  torch dtype name, ASCII, NUL-padded ("bfloat16")
     nbytes      Q    payload length
     checksum    Q    lmcache.tiers.tensor_checksum of the payload
+    parent      16s  version 2 only: the previous chunk's key in the chunk's key chain
     header_sum  Q    xxh3-64 of every field above
+
+Version 2 differs from version 1 only by the ``parent`` field, which lets a tier that chooses
+its own victims (the disk tier) rebuild its eviction order after a restart: a chunk whose parent
+is gone is worthless, since a lookup stops at the first missing chunk. A chunk without a known
+parent (a chain's first chunk, or a tier that does not track parents, such as Redis) is written
+as version 1, byte for byte what lmcache wrote before version 2, so readers of either version
+read it. A reader of version 1 only rejects a version-2 header (``CorruptChunk``: a miss, never
+a misread); this one reads both.
 
 :func:`verify_chunk` checks everything a reader must check before a connector sees the bytes:
 magic, version, header checksum, key, fingerprint, geometry, dtype, length and payload checksum.
@@ -38,6 +47,7 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_BYTES",
     "MAGIC",
+    "READ_VERSIONS",
     "ChunkHeader",
     "CorruptChunk",
     "fingerprint_digest",
@@ -45,9 +55,13 @@ __all__ = [
 ]
 
 MAGIC = b"LMCK"
-FORMAT_VERSION = 1
+#: The newest version written (2: with a parent); a chunk without a parent is written as 1.
+FORMAT_VERSION = 2
+#: The versions :meth:`ChunkHeader.decode` reads.
+READ_VERSIONS = (1, 2)
 HEADER_BYTES = 4096
 _FIELDS = struct.Struct("<4sHH16s16sIII16sQQ")
+_PARENT = struct.Struct("<16s")
 _SUM = struct.Struct("<Q")
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -96,6 +110,8 @@ class ChunkHeader:
         dtype: Element type of the payload.
         nbytes: Payload length in bytes.
         checksum: :func:`lmcache.tiers.tensor_checksum` of the payload.
+        parent: The previous chunk's key in the chunk's key chain, or ``None`` (a chain's first
+            chunk, or unknown); a header with a parent is format version 2, one without is 1.
     """
 
     key: bytes
@@ -104,12 +120,19 @@ class ChunkHeader:
     dtype: torch.dtype
     nbytes: int
     checksum: int
+    parent: bytes | None = None
+
+    @property
+    def version(self) -> int:
+        """The format version :meth:`encode` writes: 2 with a parent, else 1."""
+        return 1 if self.parent is None else 2
 
     def encode(self) -> bytes:
         """The :data:`HEADER_BYTES`-byte header.
 
         Raises:
-            ValueError: a key or fingerprint that is not 16 bytes, or an unsupported dtype.
+            ValueError: a key, fingerprint or parent that is not 16 bytes, or an unsupported
+                dtype.
         """
         if len(self.key) != 16 or len(self.fingerprint) != 16:
             raise ValueError(
@@ -117,9 +140,14 @@ class ChunkHeader:
                 f"{len(self.fingerprint)}; pass lmcache.keys.chunk_keys output and "
                 "fingerprint_digest(metadata.fingerprint())."
             )
+        if self.parent is not None and len(self.parent) != 16:
+            raise ValueError(
+                f"ChunkHeader: parent must be a 16-byte chunk key or None, found "
+                f"{len(self.parent)} bytes; pass the previous lmcache.keys.chunk_keys entry."
+            )
         fields = _FIELDS.pack(
             MAGIC,
-            FORMAT_VERSION,
+            self.version,
             0,
             self.key,
             self.fingerprint,
@@ -128,6 +156,8 @@ class ChunkHeader:
             self.nbytes,
             self.checksum,
         )
+        if self.parent is not None:
+            fields += _PARENT.pack(self.parent)
         head = fields + _SUM.pack(xxhash.xxh3_64_intdigest(fields))
         return head + bytes(HEADER_BYTES - len(head))
 
@@ -142,15 +172,26 @@ class ChunkHeader:
         need = _FIELDS.size + _SUM.size
         if len(data) < need:
             raise CorruptChunk(f"header truncated: {len(data)} bytes, expected >= {need}")
-        fields = bytes(data[: _FIELDS.size])
+        head = bytes(data[: _FIELDS.size])
         (magic, version, _, key, fingerprint, layers, tokens, width, dtype, nbytes, checksum) = (
-            _FIELDS.unpack(fields)
+            _FIELDS.unpack(head)
         )
         if magic != MAGIC:
             raise CorruptChunk(f"bad magic {magic!r}, expected {MAGIC!r}")
-        if version != FORMAT_VERSION:
-            raise CorruptChunk(f"format version {version}, this lmcache reads {FORMAT_VERSION}")
-        (found_sum,) = _SUM.unpack(bytes(data[_FIELDS.size : need]))
+        if version not in READ_VERSIONS:
+            raise CorruptChunk(
+                f"format version {version}, this lmcache reads versions {READ_VERSIONS}"
+            )
+        parent: bytes | None = None
+        fields_end = _FIELDS.size
+        if version == 2:
+            fields_end += _PARENT.size
+            need += _PARENT.size
+            if len(data) < need:
+                raise CorruptChunk(f"header truncated: {len(data)} bytes, expected >= {need}")
+            (parent,) = _PARENT.unpack(bytes(data[_FIELDS.size : fields_end]))
+        fields = bytes(data[:fields_end])
+        (found_sum,) = _SUM.unpack(bytes(data[fields_end:need]))
         if found_sum != xxhash.xxh3_64_intdigest(fields):
             raise CorruptChunk("header checksum mismatch")
         if len(data) >= HEADER_BYTES and bytes(data[need:HEADER_BYTES]) != bytes(
@@ -160,7 +201,8 @@ class ChunkHeader:
         name = dtype.rstrip(b"\0").decode("ascii", "replace")
         if name not in _DTYPES:
             raise CorruptChunk(f"unknown dtype {name!r}")
-        return cls(key, fingerprint, (layers, tokens, width), _DTYPES[name], nbytes, checksum)
+        shape = (layers, tokens, width)
+        return cls(key, fingerprint, shape, _DTYPES[name], nbytes, checksum, parent)
 
 
 def verify_chunk(

@@ -1,16 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The CPU tier: chunks kept in a :class:`~lmcache.memory.HostMemoryPool`, evicted LRU.
+"""The CPU tier: chunks kept in a :class:`~lmcache.memory.HostMemoryPool`, evicted so that
+prefixes stay usable.
 
 Each entry holds its own lease on the chunk's bytes and, optionally, an xxh3-64 checksum of those
 bytes taken when the chunk was stored. :meth:`CPUTier.get` verifies the checksum before handing the
 chunk out: a mismatch is a miss (counted in ``metrics.checksum_failures``, the entry dropped), so a
 corrupted chunk is never loaded.
 
-Eviction happens only in :meth:`CPUTier.allocate`, and only of entries that nobody but the tier
-leases: a chunk that a retrieve is copying, or that a caller holds (a lease from
-:meth:`CPUTier.get`), stays. Victims are taken in LRU order; :meth:`CPUTier.touch_many` marks a
-run of chunks of one key chain used so that earlier chunks are more recent than later ones, so
-eviction takes a prompt's tail before its head and what remains of a prompt is a prefix.
+Eviction happens only in :meth:`CPUTier.allocate` / :meth:`CPUTier.allocate_many`, and only of
+entries that nobody but the tier leases: a chunk that a retrieve is copying, or that a caller
+holds (a lease from :meth:`CPUTier.get`), stays. Chunk ``i``'s key hashes chunks ``0..i`` and a
+lookup stops at its first missing chunk, so a chunk whose predecessor is gone is worthless. Each
+entry records its *parent* (the previous chunk's key, given to :meth:`CPUTier.put`; ``None`` for
+a chain's first chunk or when unknown), and victims are taken in this order
+(:class:`~lmcache.tiers.prefix_lru.PrefixLRU`):
+
+1. *Orphans* first, least recently used first: entries whose parent is known and gone.
+2. Then least recently used first. :meth:`CPUTier.touch_many` marks a run of one key chain used
+   tail first, so each chunk is less recent than the ones before it: a prompt's tail goes before
+   its head, and what remains of a prompt is a prefix. An entry chosen takes its present
+   descendants with it.
+3. Keys in ``protect`` are never evicted: a store passes its own chain, so making room for the
+   chunks it adds never evicts the prefix they extend (it gets fewer buffers instead and stores
+   fewer chunks, head first).
+
+Without this, a prompt larger than the tier, repeated, evicted its own head to store its tail and
+hit a different number of tokens on every run.
 
 One tier may be shared by the engines of a process (:func:`lmcache.tiers.process_cpu_tier`):
 entries record an ``owner`` (the storing engine's fingerprint) so one engine can drop only its
@@ -25,8 +40,7 @@ import math
 import os
 import struct
 import threading
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -35,6 +49,7 @@ import torch
 import xxhash
 
 from lmcache.memory import HostMemoryPool, MemoryLease, aligned_bytes
+from lmcache.tiers.prefix_lru import PrefixLRU
 
 if TYPE_CHECKING:
     from lmcache.metrics import LMCacheMetrics
@@ -115,7 +130,9 @@ class _Entry:
 
 
 class CPUTier:
-    """Chunks in host memory, keyed by chunk key, with LRU eviction inside the pool's budget.
+    """Chunks in host memory, keyed by chunk key, evicted inside the pool's budget in an order
+    that keeps prefixes usable (orphans first, then LRU with a chain's tail before its head; see
+    the module docstring).
 
     Thread-safe. Lock order: the tier's lock, then the pool's.
 
@@ -128,7 +145,8 @@ class CPUTier:
     def __init__(self, pool: HostMemoryPool, metrics: LMCacheMetrics) -> None:
         self.pool = pool
         self.metrics = metrics
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._entries: dict[bytes, _Entry] = {}
+        self._order: PrefixLRU[bytes] = PrefixLRU()  # recency, parents, orphans
         self._lock = threading.RLock()
         self._hash_workers = min(8, os.cpu_count() or 1)
         self._hasher: ThreadPoolExecutor | None = None
@@ -173,52 +191,61 @@ class CPUTier:
             entries = self._entries
             return [i for i, key in enumerate(keys) if key not in entries]
 
+    def is_orphan(self, key: bytes) -> bool:
+        """Whether ``key`` is stored and the parent it was stored with is not (it is evicted
+        before any other entry)."""
+        with self._lock:
+            return self._order.is_orphan(key)
+
     def touch(self, key: bytes) -> bool:
         """Mark ``key`` most recently used; returns whether it is stored."""
         with self._lock:
-            if key not in self._entries:
-                return False
-            self._entries.move_to_end(key)
-            return True
+            return self._order.touch(key)
 
     def touch_many(self, keys: Iterable[bytes]) -> int:
         """Mark the stored ones of ``keys`` most recently used, ``keys[0]`` the most recent.
 
         ``keys`` is a run of one key chain in chain order (chunk ``i`` before chunk ``i + 1``).
         They are moved to the most-recently-used end in reverse order, so each later chunk is
-        less recently used than the ones before it: LRU eviction then takes a prompt's tail
-        before its head, and chunks are never kept while the prefix they need is gone. Keys not
-        stored are skipped.
+        less recently used than the ones before it: eviction then takes a prompt's tail before
+        its head, and chunks are never kept while the prefix they need is gone. Keys not stored
+        are skipped.
 
         Returns:
             How many of ``keys`` are stored (and were touched).
         """
-        touched = 0
         with self._lock:
-            for key in reversed(list(keys)):
-                if key in self._entries:
-                    self._entries.move_to_end(key)
-                    touched += 1
-        return touched
+            return self._order.touch_chain(keys)
 
     def put(
-        self, key: bytes, lease: MemoryLease, checksum: int | None, *, owner: bytes = b""
+        self,
+        key: bytes,
+        lease: MemoryLease,
+        checksum: int | None,
+        *,
+        owner: bytes = b"",
+        parent: bytes | None = None,
     ) -> None:
         """Store a chunk; the tier takes its own share of ``lease`` (the caller keeps theirs).
 
         An entry already under ``key`` is replaced (a lease someone holds on the old bytes stays
-        valid). The entry becomes the most recently used.
+        valid). The entry becomes the most recently used. Put a run of one chain head first,
+        then :meth:`touch_many` it, so its head ends up the most recent.
 
         Args:
             key: The chunk key.
             lease: The chunk's bytes (from :meth:`allocate`).
             checksum: :func:`tensor_checksum` of the bytes, or ``None`` to skip verification.
             owner: Who stored it, for :meth:`clear` (engines pass their metadata fingerprint).
+            parent: The previous chunk's key in the chunk's key chain; ``None`` for a chain's
+                first chunk, or when unknown (the entry is then never an orphan). While the
+                parent is absent the entry is an orphan, evicted before anything else.
         """
         share = lease.share()
         with self._lock:
             old = self._entries.pop(key, None)
             self._entries[key] = _Entry(share, checksum, bytes(owner))
+            self._order.add(key, parent)
         if old is not None:
             old.lease.release()
 
@@ -237,7 +264,7 @@ class CPUTier:
             entry = self._entries.get(key)
             if entry is None:
                 return None
-            self._entries.move_to_end(key)
+            self._order.touch(key)
             lease = entry.lease.share()
         if entry.checksum is None:
             return lease
@@ -257,6 +284,7 @@ class CPUTier:
         with self._lock:
             if self._entries.get(key) is entry:
                 del self._entries[key]
+                self._order.discard(key)
             else:
                 entry = None  # replaced meanwhile: not ours to release
         if entry is not None:
@@ -269,22 +297,26 @@ class CPUTier:
         dtype: torch.dtype,
         *,
         metrics: LMCacheMetrics | None = None,
+        protect: Container[bytes] = frozenset(),
     ) -> MemoryLease | None:
-        """Allocate a chunk buffer, evicting least recently used entries until it fits.
+        """Allocate a chunk buffer, evicting entries until it fits (orphans first, then least
+        recently used; see the module docstring).
 
         Only entries whose sole lease is the tier's are evicted (a chunk being read by a
-        retrieve, or held by a caller, is never evicted).
+        retrieve, or held by a caller, is never evicted), and never those in ``protect``.
 
         Args:
             shape: The buffer's shape, e.g. ``[num_layers, num_tokens, kv_width]``.
             dtype: Its element type.
             metrics: Where to count evictions; the tier's own metrics when ``None``.
+            protect: Keys not to evict (the chain the buffer is for: a chunk stored at the cost
+                of its own prefix would be worthless).
 
         Returns:
             A lease on the buffer (contents undefined), or ``None`` when nothing more can be
             evicted and it still does not fit.
         """
-        leases = self.allocate_many(shape, dtype, 1, metrics=metrics)
+        leases = self.allocate_many(shape, dtype, 1, metrics=metrics, protect=protect)
         return leases[0] if leases else None
 
     def allocate_many(
@@ -294,12 +326,14 @@ class CPUTier:
         count: int,
         *,
         metrics: LMCacheMetrics | None = None,
+        protect: Container[bytes] = frozenset(),
     ) -> list[MemoryLease]:
         """Up to ``count`` chunk buffers of one shape (:meth:`allocate` each, in one pass:
-        :meth:`HostMemoryPool.allocate_many`), evicting least recently used entries as needed.
+        :meth:`HostMemoryPool.allocate_many`), evicting as :meth:`allocate` does.
 
         Returns:
-            The leases; fewer than ``count`` when nothing more can be evicted.
+            The leases; fewer than ``count`` when nothing more can be evicted (the caller
+            stores the chunks of the leading ones: a prefix of what it meant to store).
         """
         counts = self.metrics if metrics is None else metrics
         nbytes = math.prod(shape) * dtype.itemsize
@@ -314,12 +348,12 @@ class CPUTier:
                 piece = aligned_bytes(nbytes)
                 short = count * piece - self.pool.free_bytes
                 if short > 0:
-                    out += self._evict(self._victims(short), counts, shape, dtype, count)
+                    out += self._evict(self._victims(short, protect), counts, shape, dtype, count)
                 while len(out) < count:
                     out += self.pool.allocate_many(shape, dtype, count - len(out))
                     if len(out) >= count:
                         break
-                    victims = self._victims((count - len(out)) * piece)
+                    victims = self._victims((count - len(out)) * piece, protect)
                     if not victims:
                         break
                     out += self._evict(victims, counts, shape, dtype, count - len(out))
@@ -345,6 +379,7 @@ class CPUTier:
         reused: list[MemoryLease] = []
         for key in keys:
             lease = self._entries.pop(key).lease
+            self._order.discard(key)
             if len(reused) < want and lease.tensor.dtype == dtype and lease.tensor.shape == shape:
                 reused.append(lease)
             else:
@@ -354,26 +389,28 @@ class CPUTier:
         reused.sort(key=lambda lease: lease.tensor.data_ptr())
         return reused
 
-    def _victims(self, nbytes: int) -> list[bytes]:
-        """Keys of the least recently used entries nobody else leases that together take at
-        least ``nbytes`` of the pool (all there are when they take less): a prefix of what
-        single evictions would drop, found in one pass (one pool lock for the lease counts).
-        Caller holds the lock."""
-        keys: list[bytes] = []
-        freed = 0
+    def _victims(self, nbytes: int, protect: Container[bytes] = frozenset()) -> list[bytes]:
+        """Keys of entries nobody else leases, not in ``protect``, that together take at least
+        ``nbytes`` of the pool (all there are when they take less), in eviction order (orphans
+        first, then least recently used, each with its descendants): a prefix of what single
+        evictions would drop, found in one pass (one pool lock for the lease counts). Caller
+        holds the lock."""
+        entries = self._entries
         with self.pool.lease_counts() as refs:
-            for key, entry in self._entries.items():
-                if freed >= nbytes:
-                    break
-                if refs(entry.lease) == 1:
-                    keys.append(key)
-                    freed += entry.lease.pool_bytes
-        return keys
+
+            def size_of(key: bytes) -> int | None:
+                lease = entries[key].lease
+                return lease.pool_bytes if refs(lease) == 1 else None
+
+            return self._order.victims(nbytes, size_of, protect)
 
     def remove(self, key: bytes) -> bool:
-        """Drop the entry under ``key``; returns whether there was one."""
+        """Drop the entry under ``key``; returns whether there was one (its present children
+        become orphans)."""
         with self._lock:
             entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._order.discard(key)
         if entry is None:
             return False
         entry.lease.release()
@@ -390,8 +427,11 @@ class CPUTier:
             if owner is None:
                 entries = list(self._entries.values())
                 self._entries.clear()
+                self._order.clear()
             else:
                 mine = [k for k, e in self._entries.items() if e.owner == owner]
                 entries = [self._entries.pop(k) for k in mine]
+                for key in mine:
+                    self._order.discard(key)
         for entry in entries:
             entry.lease.release()

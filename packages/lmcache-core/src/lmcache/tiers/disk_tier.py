@@ -28,14 +28,20 @@ Guarantees:
   would read the whole cache, possibly hundreds of GB, before the engine can serve); every read
   verifies it instead (:func:`~lmcache.tiers.chunk_format.verify_chunk`: key, fingerprint,
   shape, dtype, length, checksum) before a byte is reported as loaded, and a failing entry is
-  deleted by :class:`~lmcache.tiers.lower_tier.LowerTier`. The LRU order is restored from the
-  files' modification times (reads update them).
-* **Byte quota.** ``max_bytes`` bounds the sum of the chunk file sizes. Least recently used
-  entries (reads and writes count as use) are deleted *before* a write makes room for its file,
-  so the tier's files, the one being written included, never exceed ``max_bytes``. A read of a
-  run of chunks marks the first chunk as the most recent, so eviction takes a prompt's tail
-  before its head. Writing a key that is already stored (same size) only marks it used: keys
-  hash the tokens and the model fingerprint, so the bytes are the same.
+  deleted by :class:`~lmcache.tiers.lower_tier.LowerTier`. The recency order is restored from
+  the files' modification times (reads and writes set them), and each chunk's parent from its
+  header (chunk format version 2; a version-1 file's parent is unknown: it is never an orphan).
+* **Byte quota, prefixes kept.** ``max_bytes`` bounds the sum of the chunk file sizes. Entries
+  are deleted *before* a write makes room for its file, so the tier's files, the one being
+  written included, never exceed ``max_bytes``, in the order of
+  :class:`~lmcache.tiers.prefix_lru.PrefixLRU`: orphans (chunks whose parent is gone: a lookup
+  could never reach them) first, then least recently used (reads and writes count as use), a
+  chain's tail before its head. A run of chunks is written head first; a chunk that would fit
+  only by evicting the prefix it extends is declined (counted in ``dropped_writes``, and so is
+  the rest of its run); once the run is written, and whenever a run is read, it is marked used
+  tail first, so its first chunk is the most recent.
+  Writing a key that is already stored (same size) only marks it used: keys hash the tokens
+  and the model fingerprint, so the bytes are the same.
 * **Errors are misses.** ``ENOSPC`` or any other ``OSError`` while writing removes the temporary
   file and is raised from :meth:`DiskTier._write`; the base class counts it in ``tier_errors``.
   A file deleted between lookup and read is a miss.
@@ -69,14 +75,15 @@ import stat
 import threading
 import time
 import urllib.parse
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 import torch
 
 from lmcache.config import ConfigError
 from lmcache.tiers.chunk_format import HEADER_BYTES, ChunkHeader, CorruptChunk, verify_chunk
 from lmcache.tiers.lower_tier import LowerTier, ReadRequest
+from lmcache.tiers.prefix_lru import PrefixLRU
+from lmcache.tiers.tier_guard import progress
 
 __all__ = ["DiskTier"]
 
@@ -222,6 +229,9 @@ class DiskTier(LowerTier):
         fsync: ``fsync`` each file and its folder before a write counts as done (crash safety;
             ``False`` only for throwaway caches and tests).
         direct_io: Read payloads with ``O_DIRECT`` when the destination buffer is 4 KiB-aligned.
+        tier_timeout: Seconds a read (``contains``, ``read_into``) may go without progress
+            before it is abandoned as a miss (a hung mount; :class:`~lmcache.tiers.LowerTier`);
+            ``None``: no deadline.
 
     Raises:
         ConfigError: the folder cannot be created or written (key ``local_disk``), or
@@ -229,6 +239,7 @@ class DiskTier(LowerTier):
     """
 
     kind = "disk"
+    chooses_victims = True
 
     def __init__(
         self,
@@ -238,8 +249,9 @@ class DiskTier(LowerTier):
         write_queue_bytes: int = 1 << 30,
         fsync: bool = True,
         direct_io: bool = True,
+        tier_timeout: float | None = 5.0,
     ) -> None:
-        super().__init__(write_queue_bytes=write_queue_bytes)
+        super().__init__(write_queue_bytes=write_queue_bytes, tier_timeout=tier_timeout)
         if max_bytes <= HEADER_BYTES:
             raise ConfigError(
                 f"lmcache config key 'max_local_disk_size': the disk tier quota must hold at least "
@@ -247,12 +259,14 @@ class DiskTier(LowerTier):
                 "bytes. Raise max_local_disk_size (GB), or unset local_disk."
             )
         self._root = _local_path(path)
+        self._guard.breaker.describe = self._root
         self._max_bytes = int(max_bytes)
         self._fsync = fsync
         self._direct = direct_io and _O_DIRECT != 0
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
-        self._index: OrderedDict[_Ident, _Entry] = OrderedDict()  # least recently used first
+        self._index: dict[_Ident, _Entry] = {}
+        self._order: PrefixLRU[_Ident] = PrefixLRU()  # recency, parents, orphans
         self._used = 0
         self._seq = itertools.count()
         self._last_stamp = 0  # the newest mtime (ns) this tier gave a file: the LRU order
@@ -309,7 +323,7 @@ class DiskTier(LowerTier):
 
     def _scan(self) -> None:
         """Rebuild the index from the folder, deleting what does not verify (see module doc)."""
-        found: list[tuple[int, _Ident, int]] = []  # (mtime_ns, ident, size)
+        found: list[tuple[int, _Ident, int, _Ident | None]] = []  # (mtime, ident, size, parent)
         bad = stale = 0
         for folder in list(os.scandir(self._root)):
             if not (_HEX32.fullmatch(folder.name) and folder.is_dir(follow_symlinks=False)):
@@ -331,7 +345,7 @@ class DiskTier(LowerTier):
                     continue
                 ident = (fingerprint, bytes.fromhex(match.group(1)))
                 try:
-                    size, mtime = self._check_file(entry.path, ident)
+                    size, mtime, parent = self._check_file(entry.path, ident)
                 except CorruptChunk as exc:
                     logger.debug("lmcache disk tier: deleting %s at start (%s)", entry.path, exc)
                     bad += 1
@@ -340,14 +354,15 @@ class DiskTier(LowerTier):
                 except OSError as exc:
                     logger.warning("lmcache disk tier: skipping %s (%r)", entry.path, exc)
                     continue
-                found.append((mtime, ident, size))
+                found.append((mtime, ident, size, parent))
         found.sort(key=lambda item: item[0])
-        for mtime, ident, size in found:
+        for mtime, ident, size, parent in found:
             self._index[ident] = (size, mtime)
+            self._order.add(ident, parent)
             self._used += size
             self._last_stamp = max(self._last_stamp, mtime)
         with self._lock:
-            victims = self._make_room(0)
+            victims = self._make_room(0) or []
         for victim in victims:
             _unlink(self._file(*victim))
         if bad or stale:
@@ -368,10 +383,13 @@ class DiskTier(LowerTier):
         )
 
     @staticmethod
-    def _check_file(path: str, ident: _Ident) -> tuple[int, int]:
-        """Size and mtime of a chunk file whose header matches its name; raises CorruptChunk."""
+    def _check_file(path: str, ident: _Ident) -> tuple[int, int, _Ident | None]:
+        """Size, mtime and parent (``None``: none recorded) of a chunk file whose header
+        matches its name; raises CorruptChunk."""
         try:
-            fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+            # O_NONBLOCK: a FIFO under a chunk name must not block the start-up scan (it is
+            # no regular file: deleted below); regular files ignore the flag
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise CorruptChunk("a symlink under a chunk name") from exc
@@ -396,7 +414,8 @@ class DiskTier(LowerTier):
             raise CorruptChunk(
                 f"file is {st.st_size} bytes, expected {HEADER_BYTES + header.nbytes}"
             )
-        return st.st_size, st.st_mtime_ns
+        parent = None if header.parent is None else (ident[0], header.parent)
+        return st.st_size, st.st_mtime_ns, parent
 
     # ------------------------------------------------------------------ helpers
 
@@ -406,14 +425,21 @@ class DiskTier(LowerTier):
     def _file(self, fingerprint: bytes, key: bytes) -> str:
         return os.path.join(self._root, fingerprint.hex(), key.hex() + SUFFIX)
 
-    def _make_room(self, size: int) -> list[_Ident]:
-        """Drop LRU entries from the index until ``size`` more bytes fit; caller holds the lock
-        and deletes the returned entries' files."""
-        victims: list[_Ident] = []
-        while self._index and self._used + size > self._max_bytes:
-            ident, (victim_size, _) = self._index.popitem(last=False)
-            self._used -= victim_size
-            victims.append(ident)
+    def _make_room(
+        self, size: int, protect: Container[_Ident] = frozenset()
+    ) -> list[_Ident] | None:
+        """Drop entries from the index until ``size`` more bytes fit, in eviction order
+        (orphans first, then least recently used; never those in ``protect``); caller holds the
+        lock and deletes the returned entries' files. ``None`` (nothing dropped) when they
+        cannot be made to fit without the protected ones."""
+        need = self._used + size - self._max_bytes
+        index = self._index
+        victims = self._order.victims(need, lambda ident: index[ident][0], protect)
+        if sum(index[ident][0] for ident in victims) < need:
+            return None
+        for ident in victims:
+            self._used -= index.pop(ident)[0]
+            self._order.discard(ident)
         return victims
 
     def _stamps(self, count: int) -> int:
@@ -432,6 +458,7 @@ class DiskTier(LowerTier):
             found = self._index.get(ident)
             if found is not None and entry in (None, found):
                 del self._index[ident]
+                self._order.discard(ident)
                 self._used -= found[0]
 
     # ------------------------------------------------------------------ primitives
@@ -450,12 +477,13 @@ class DiskTier(LowerTier):
         as at start; the payload is verified when it is read. A missing or bad file is ``False``
         (a bad one is deleted when read, or at the next start)."""
         try:
-            size, mtime = self._check_file(self._file(*ident), ident)
+            size, mtime, parent = self._check_file(self._file(*ident), ident)
         except (CorruptChunk, OSError):
             return False
         with self._lock:
             if ident not in self._index:
                 self._index[ident] = (size, mtime)
+                self._order.add(ident, parent)
                 self._used += size
         return True
 
@@ -466,21 +494,27 @@ class DiskTier(LowerTier):
         for request in requests:
             result = self._read_one(fingerprint, request)
             results.append(result)
-            if result is not True:
+            if result is not True or not progress():  # progress: restarts the read's deadline
                 break
         results += [False] * (len(requests) - len(results))
         done = [r.key for r, ok in zip(requests, results, strict=True) if ok is True]
-        # Touch in reverse so the run's first chunk ends up most recent (evicted last).
+        self._mark_used(fingerprint, done)
+        return results
+
+    def _mark_used(self, fingerprint: bytes, keys: Sequence[bytes]) -> None:
+        """Mark a run of one chain used tail first, so its first chunk ends up the most recent
+        (evicted last), in the index and in the files' mtimes (the order a restart rebuilds)."""
         with self._lock:
-            for key in reversed(done):
-                if (fingerprint, key) in self._index:
-                    self._index.move_to_end((fingerprint, key))
-            base = self._stamps(len(done))
-        for i, key in enumerate(done):
-            stamp = base + len(done) - 1 - i
+            self._order.touch_chain([(fingerprint, key) for key in keys])
+            base = self._stamps(len(keys))
+        for i, key in enumerate(keys):
+            stamp = base + len(keys) - 1 - i
             with contextlib.suppress(OSError):  # evicted meanwhile: the order is a hint
                 os.utime(self._file(fingerprint, key), ns=(stamp, stamp))
-        return results
+
+    def _chain_written(self, fingerprint: bytes, keys: list[bytes]) -> None:
+        """A run was written head first: mark it used tail first (:meth:`_mark_used`)."""
+        self._mark_used(fingerprint, keys)
 
     def _read_one(self, fingerprint: bytes, request: ReadRequest) -> bool | CorruptChunk:
         out = request.out
@@ -569,7 +603,10 @@ class DiskTier(LowerTier):
                 exc,
             )
 
-    def _write(self, fingerprint: bytes, key: bytes, header: bytes, payload: memoryview) -> None:
+    def _write(self, fingerprint: bytes, key: bytes, header: bytes, payload: memoryview) -> bool:
+        """Write one chunk file; ``False`` (declined, nothing changed) when the quota has room
+        for it only by evicting the prefix it extends (the parent its header names and that
+        parent's ancestors): it would be an orphan, never reached by a lookup."""
         size = len(header) + payload.nbytes
         if size > self._max_bytes:
             raise ValueError(
@@ -577,6 +614,8 @@ class DiskTier(LowerTier):
                 "raise max_local_disk_size"
             )
         ident = (fingerprint, key)
+        parent = ChunkHeader.decode(header).parent
+        up = None if parent is None else (fingerprint, parent)
         final = self._file(fingerprint, key)
         with self._write_lock:
             with self._lock:
@@ -589,19 +628,24 @@ class DiskTier(LowerTier):
                 if present:  # same key, same bytes (keys hash the tokens and the model)
                     with self._lock:
                         if ident in self._index:
-                            self._index.move_to_end(ident)
-                    return
+                            self._order.add(
+                                ident, up if up is not None else self._order.parent(ident)
+                            )
+                    return True
                 self._forget(ident)
                 _unlink(final)
             with self._lock:
-                victims = self._make_room(size)
+                victims = self._make_room(size, self._order.ancestors(up))
+            if victims is None:
+                return False  # room only at the cost of its own prefix
             for victim in victims:
                 _unlink(self._file(*victim))
             stamp = self._write_file(fingerprint, key, final, header, payload)
             with self._lock:
                 self._index[ident] = (size, stamp)
-                self._index.move_to_end(ident)
+                self._order.add(ident, up)
                 self._used += size
+        return True
 
     def _write_file(
         self, fingerprint: bytes, key: bytes, final: str, header: bytes, payload: memoryview
@@ -659,6 +703,7 @@ class DiskTier(LowerTier):
             with self._lock:
                 for ident in [i for i in self._index if fingerprint in (None, i[0])]:
                     self._used -= self._index.pop(ident)[0]
+                    self._order.discard(ident)
             if fingerprint is not None:
                 names = [fingerprint.hex()]
             else:
@@ -672,6 +717,7 @@ class DiskTier(LowerTier):
                 for entry in entries:
                     if _ENTRY.fullmatch(entry):
                         _unlink(os.path.join(folder, entry))
+                        progress()  # a large clear that keeps moving is not cut
                     elif entry.startswith(TMP_PREFIX):
                         _remove_if_abandoned(os.path.join(folder, entry))
                 with contextlib.suppress(OSError):  # other files, or a write creating one

@@ -2,18 +2,40 @@
 """Tiers below the CPU one (local disk, Redis/Valkey): the shared contract and write queue.
 
 A :class:`LowerTier` stores chunks as :mod:`lmcache.tiers.chunk_format` entries (header +
-raw bytes) under ``(fingerprint digest, chunk key)``. Its public methods never raise: a tier that
-fails, times out or holds a bad entry is a miss, counted in the caller's metrics
+raw bytes) under ``(fingerprint digest, chunk key)``. Its public methods never raise on a tier
+fault (only a caller's malformed arguments are a ``ValueError``): a tier that fails, times out or holds a bad entry is a miss, counted in the caller's metrics
 (``tier_errors``, ``checksum_failures``), and a bad entry is deleted. Subclasses implement the
 ``_exists`` / ``_read_into`` / ``_write`` / ``_delete`` / ``_clear`` primitives, which may
 raise.
 
 Writes are asynchronous: :meth:`LowerTier.submit_write` (one chunk) and
-:meth:`LowerTier.submit_chain` (a run of one key chain: admitted head first, written tail first)
-take a share of each chunk's host lease and queue it for one writer thread; when the queue holds
+:meth:`LowerTier.submit_chain` (a run of one key chain, admitted head first) take a share of each
+chunk's host lease and queue it for one writer thread; when the queue holds
 ``write_queue_bytes`` already the write is dropped and counted (``dropped_writes``), never
 blocking the caller. The lease is released
 once the bytes are written (or dropped), so the host buffer cannot be reused under the write.
+
+Eviction order. Chunk ``i``'s key hashes chunks ``0..i`` and a lookup stops at its first missing
+chunk, so a chunk whose parent (the previous chunk) is gone is worthless. How a tier keeps
+prefixes usable depends on who chooses its victims (:attr:`LowerTier.chooses_victims`):
+
+- A tier that chooses them (the disk tier: its byte quota) records each chunk's parent (in the
+  header, chunk format version 2), evicts orphans first and a chain's tail before its head
+  (:class:`~lmcache.tiers.prefix_lru.PrefixLRU`), and declines a chunk that would fit only by
+  evicting the prefix it extends (``_write`` returns ``False``, counted in ``dropped_writes``).
+  Its runs are written head first (a chunk after a declined or failed one is dropped: it would
+  be an orphan), then :meth:`LowerTier._chain_written` marks the run used tail first, so its
+  head ends up the most recent.
+- A tier whose server chooses them (Redis: its ``maxmemory-policy``) gets each run tail first,
+  so the head is the most recently written key; nothing else is in lmcache's hands there.
+
+Reads have a deadline: :meth:`LowerTier.contains`, :meth:`LowerTier.read_into` (and
+:meth:`LowerTier.clear`) run their primitive on the tier's :class:`~lmcache.tiers.tier_guard.TierGuard` threads and give up once it
+has made no progress for ``tier_timeout`` seconds (a hung mount, a server that accepts and never
+answers): the read is a miss for that request, abandoned (its thread finishes whenever the
+primitive returns, holding shares of the read's leases until then) and counted
+(``tier_timeouts``); after repeated timeouts the tier backs off (misses at once, one log line),
+then probes again. Subclasses call :func:`~lmcache.tiers.tier_guard.progress` after each chunk.
 """
 
 from __future__ import annotations
@@ -23,12 +45,13 @@ import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from lmcache.tiers.chunk_format import ChunkHeader, CorruptChunk
+from lmcache.tiers.tier_guard import TierGuard, TierTimeout, TierUnavailable
 
 if TYPE_CHECKING:
     from lmcache.memory import MemoryLease
@@ -47,10 +70,23 @@ class ReadRequest:
         key: The 16-byte chunk key.
         out: A contiguous CPU tensor ``[num_layers, num_tokens, kv_width]`` of the chunk's dtype;
             its shape and dtype are what the entry must hold.
+        lease: The host lease ``out`` belongs to, if any: a read abandoned past its deadline
+            holds a share of it until the read returns, so the buffer is not reused under it.
+            Without one, an abandoned read may still write ``out`` later.
     """
 
     key: bytes
     out: torch.Tensor
+    lease: MemoryLease | None = None
+
+
+@dataclass(eq=False)
+class _Run:
+    """A run of one chain being written head first (tiers that choose their victims)."""
+
+    remaining: int  # writes of the run not done yet
+    written: list[bytes] = field(default_factory=list)  # keys written, in chain order
+    broken: bool = False  # a write was declined, failed or dropped: the rest are orphans
 
 
 @dataclass(eq=False)
@@ -60,20 +96,46 @@ class _Write:
     lease: MemoryLease
     checksum: int | None
     metrics: LMCacheMetrics
+    parent: bytes | None = None
+    run: _Run | None = None
 
 
 class LowerTier(ABC):
-    """A chunk store below the CPU tier. Thread-safe; public methods never raise.
+    """A chunk store below the CPU tier. Thread-safe; public methods never raise on a tier fault.
 
     Args:
         write_queue_bytes: Bytes of queued writes beyond which new writes are dropped (one write
             is always admitted into an empty queue).
+        tier_timeout: Seconds a read (``contains``, ``read_into``) may go without progress
+            before it is abandoned as a miss (``config.tier_timeout``); ``None`` reads on the
+            caller's thread without a deadline.
+        max_stuck: Abandoned reads still running beyond which the tier backs off.
+        backoff_failures: Consecutive abandoned reads that make the tier back off.
+        backoff_s: Seconds of each back-off, before one trial read.
     """
 
     #: ``"disk"`` or ``"remote"``: names this tier's metrics (``disk_hit_chunks``, ...) and logs.
     kind: ClassVar[str]
+    #: Whether lmcache chooses this tier's victims (see the module docstring): then chains are
+    #: written head first with their parents, and :meth:`_chain_written` reorders them.
+    chooses_victims: ClassVar[bool] = False
 
-    def __init__(self, *, write_queue_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        *,
+        write_queue_bytes: int = 1 << 30,
+        tier_timeout: float | None = 5.0,
+        max_stuck: int = 4,
+        backoff_failures: int = 3,
+        backoff_s: float = 30.0,
+    ) -> None:
+        self._guard = TierGuard(
+            self.kind,
+            tier_timeout,
+            max_stuck=max_stuck,
+            failures=backoff_failures,
+            cooldown=backoff_s,
+        )
         self._queue: deque[_Write] = deque()
         self._queued_bytes = 0
         self._busy = 0
@@ -103,8 +165,21 @@ class LowerTier(ABC):
         """
 
     @abstractmethod
-    def _write(self, fingerprint: bytes, key: bytes, header: bytes, payload: memoryview) -> None:
-        """Store ``header + payload`` under the key, atomically (all or nothing). May raise."""
+    def _write(
+        self, fingerprint: bytes, key: bytes, header: bytes, payload: memoryview
+    ) -> bool | None:
+        """Store ``header + payload`` under the key, atomically (all or nothing). May raise.
+
+        Returns ``False`` when the tier declines the chunk (e.g. it fits only by evicting its
+        own prefix: it would be an orphan), counted in ``dropped_writes``; anything else means
+        written.
+        """
+
+    def _chain_written(self, fingerprint: bytes, keys: list[bytes]) -> None:
+        """Called after a run submitted with :meth:`submit_chain` was written head first
+        (tiers with :attr:`chooses_victims`), with the keys written, in chain order, to mark
+        them used tail first. No-op here. May raise (counted as a tier error)."""
+        del fingerprint, keys
 
     @abstractmethod
     def _delete(self, fingerprint: bytes, key: bytes) -> None:
@@ -126,8 +201,18 @@ class LowerTier(ABC):
         overrides it."""
         del chunk_bytes  # no quota: any chunk fits
 
+    @property
+    def guard(self) -> TierGuard:
+        """Runs this tier's reads under their deadline (and backs off after timeouts)."""
+        return self._guard
+
     def _error(self, action: str, exc: BaseException, metrics: LMCacheMetrics) -> None:
         metrics.tier_errors.inc()
+        if isinstance(exc, TierUnavailable):
+            return  # backing off: its breaker logged when it opened
+        if isinstance(exc, TierTimeout):
+            metrics.tier_timeouts.inc()
+            action += " in time"
         if action not in self._logged:
             self._logged.add(action)
             logger.warning(
@@ -144,7 +229,7 @@ class LowerTier(ABC):
         if not keys:
             return []
         try:
-            found = self._exists(fingerprint, keys)
+            found = self._guard.call(lambda: self._exists(fingerprint, keys))
         except Exception as exc:
             self._error("look up chunks", exc, metrics)
             return [False] * len(keys)
@@ -161,8 +246,11 @@ class LowerTier(ABC):
         """
         if not requests:
             return 0
+        holds = [r.lease for r in requests if r.lease is not None]
         try:
-            results = self._read_into(fingerprint, requests)
+            results = self._guard.call(
+                lambda: self._read_and_clean(fingerprint, requests, metrics), holds
+            )
         except Exception as exc:
             self._error("read chunks", exc, metrics)
             return 0
@@ -174,19 +262,32 @@ class LowerTier(ABC):
             if isinstance(result, CorruptChunk):
                 metrics.checksum_failures.inc()
                 logger.warning(
-                    "lmcache %s tier: chunk %s failed verification (%s); deleting it and "
+                    "lmcache %s tier: chunk %s failed verification (%s); deleted it, and "
                     "treating it and every later chunk as a miss.",
                     self.kind,
                     request.key.hex(),
                     result,
                 )
+            break
+        getattr(metrics, f"{self.kind}_hit_chunks").inc(done)
+        return done
+
+    def _read_and_clean(
+        self, fingerprint: bytes, requests: Sequence[ReadRequest], metrics: LMCacheMetrics
+    ) -> list[bool | CorruptChunk]:
+        """:meth:`_read_into`, then delete the first entry that failed verification (on the
+        guard's thread: a delete may hang like a read)."""
+        results = self._read_into(fingerprint, requests)
+        for request, result in zip(requests, results, strict=False):
+            if result is True:
+                continue
+            if isinstance(result, CorruptChunk):
                 try:
                     self._delete(fingerprint, request.key)
                 except Exception as exc:
                     self._error("delete a corrupt chunk", exc, metrics)
             break
-        getattr(metrics, f"{self.kind}_hit_chunks").inc(done)
-        return done
+        return results
 
     def submit_write(
         self,
@@ -215,34 +316,65 @@ class LowerTier(ABC):
         fingerprint: bytes,
         chunks: Sequence[tuple[bytes, MemoryLease, int | None]],
         metrics: LMCacheMetrics,
+        *,
+        parents: Sequence[bytes | None] | None = None,
     ) -> int:
         """Queue a run of one key chain (chunk ``i`` before ``i + 1``) for writing.
 
         Chunks are admitted head first while the queue has room (the rest are dropped and
-        counted: a prefix of a chain stays useful, a tail alone does not), then written tail
-        first, so the head is the most recently written and an LRU tier evicts a prompt's tail
-        before its head.
+        counted: a prefix of a chain stays useful, a tail alone does not). A tier whose server
+        chooses its victims gets them tail first, so the head is the most recently written; a
+        tier that chooses its own (:attr:`chooses_victims`) gets them head first with their
+        parents, and reorders them itself (see the module docstring).
 
         Args:
             fingerprint: As for :meth:`submit_write`.
             chunks: ``(key, lease, checksum)`` per chunk, in chain order; see
                 :meth:`submit_write`.
             metrics: Where the writes' outcomes are counted.
+            parents: Each chunk's chain parent (the previous chunk's key; ``None`` for a
+                chain's head or when unknown), or ``None`` when no parent is known.
 
         Returns:
             How many leading chunks were queued.
+
+        Raises:
+            ValueError: ``parents`` is not one entry per chunk (a caller's bug, raised before
+                anything is queued; tier failures are never raised).
         """
+        if parents is not None and len(parents) != len(chunks):
+            raise ValueError(
+                f"LowerTier.submit_chain: {len(chunks)} chunks but {len(parents)} parents; pass "
+                "one parent per chunk (None for a chain's head) or parents=None."
+            )
+        ups: Sequence[bytes | None] = [None] * len(chunks) if parents is None else parents
+        head_first = self.chooses_victims
         admitted: list[_Write] = []
         with self._cond:
             queued = self._queued_bytes
-            for key, lease, checksum in chunks:
+            for (key, lease, checksum), parent in zip(chunks, ups, strict=True):
                 if self._closed or (
                     (self._queue or admitted) and queued + lease.nbytes > self._write_limit
                 ):
                     break
-                admitted.append(_Write(fingerprint, key, lease.share(), checksum, metrics))
+                admitted.append(
+                    _Write(
+                        fingerprint,
+                        key,
+                        lease.share(),
+                        checksum,
+                        metrics,
+                        parent if head_first else None,
+                    )
+                )
                 queued += lease.nbytes
-            self._queue.extend(reversed(admitted))
+            if head_first and admitted:
+                run = _Run(len(admitted))
+                for item in admitted:
+                    item.run = run
+                self._queue.extend(admitted)
+            else:
+                self._queue.extend(reversed(admitted))
             self._queued_bytes = queued
             if admitted and self._writer is None:
                 self._writer = threading.Thread(
@@ -274,6 +406,27 @@ class LowerTier(ABC):
                     self._cond.notify_all()
 
     def _write_one(self, item: _Write) -> None:
+        run = item.run
+        if run is not None and run.broken:
+            item.metrics.dropped_writes.inc()  # its parent was not written: an orphan
+            written = False
+        else:
+            written = self._write_item(item)
+        if run is None:
+            return
+        if written:
+            run.written.append(item.key)
+        else:
+            run.broken = True
+        run.remaining -= 1
+        if run.remaining == 0 and len(run.written) > 1:  # one chunk is the most recent
+            try:
+                self._chain_written(item.fingerprint, run.written)
+            except Exception as exc:
+                self._error("mark chunks used", exc, item.metrics)
+
+    def _write_item(self, item: _Write) -> bool:
+        """Write one chunk; whether it was written (failures and refusals are counted)."""
         from lmcache.tiers.cpu_tier import tensor_checksum
 
         try:
@@ -289,13 +442,17 @@ class LowerTier(ABC):
                 tensor.dtype,
                 item.lease.nbytes,
                 checksum,
+                item.parent,
             ).encode()
             payload = tensor.reshape(-1).view(torch.uint8).numpy().data
-            self._write(item.fingerprint, item.key, header, payload)
+            if self._write(item.fingerprint, item.key, header, payload) is False:
+                item.metrics.dropped_writes.inc()
+                return False
         except Exception as exc:
             self._error("write a chunk", exc, item.metrics)
-            return
+            return False
         getattr(item.metrics, f"{self.kind}_stored_chunks").inc()
+        return True
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is done; returns ``False`` on timeout."""
@@ -319,11 +476,12 @@ class LowerTier(ABC):
         """Delete every entry, or only those of one fingerprint, after queued writes finish.
 
         Writes queued before the call are flushed first (up to 10 s), so they cannot land after
-        the clear.
+        the clear. The clear itself runs under the read deadline (a hung mount never holds the
+        caller; an abandoned clear finishes whenever the tier answers again).
         """
         self.flush(10.0)
         try:
-            self._clear(fingerprint)
+            self._guard.call(lambda: self._clear(fingerprint))
         except Exception as exc:
             self._error("clear", exc, metrics)
 
@@ -345,6 +503,7 @@ class LowerTier(ABC):
         writer = self._writer
         if writer is not None:
             writer.join(timeout)
+        self._guard.close()
         try:
             self._close()
         except Exception as exc:

@@ -62,7 +62,7 @@ def process_lower_tiers(config: LMCacheConfig) -> list[LowerTier]:
     """The disk and remote tiers ``config`` names, in lookup order (disk, then remote).
 
     Created on first use and shared by every caller naming the same folder and budget, or the
-    same URL and namespace.
+    same URL and namespace (with the first caller's ``tier_timeout``).
 
     Raises:
         lmcache.config.ConfigError: an unusable folder or URL (an unreachable server is not an
@@ -97,7 +97,11 @@ def _build_lower(config: LMCacheConfig, kind: object) -> LowerTier:
         from lmcache.tiers.disk_tier import DiskTier
 
         assert config.local_disk is not None
-        return DiskTier(config.local_disk, int(config.max_local_disk_size * 1024**3))
+        return DiskTier(
+            config.local_disk,
+            int(config.max_local_disk_size * 1024**3),
+            tier_timeout=config.tier_timeout or None,
+        )
     from lmcache.tiers.redis_tier import RedisTier
 
     assert config.remote_url is not None
@@ -106,6 +110,7 @@ def _build_lower(config: LMCacheConfig, kind: object) -> LowerTier:
         namespace=config.remote_namespace,
         timeout=config.remote_timeout,
         ttl=config.remote_ttl or None,
+        tier_timeout=config.tier_timeout or None,
     )
 
 

@@ -42,6 +42,14 @@ value is sent from the header and the host buffer as they are, without concatena
 (except on a cluster after a slot moved, where redis-py's redirect handling takes over).
 
 The tier is thread-safe: the writer thread and readers share redis-py's connection pool.
+
+Eviction: lmcache chooses nothing here. The server evicts by its own ``maxmemory-policy`` (and
+entries expire with ``ttl``); lmcache neither sees nor orders those evictions, so the
+prefix-keeping order of the CPU and disk tiers (orphans first, a prompt's tail before its head)
+does not apply. What lmcache does control is the write order: a run of one chain is written
+tail first, so its head is the most recently written key and an LRU or LFU policy tends to drop
+a prompt's tail before its head. Values carry no parent (chunk format version 1, which readers
+of every lmcache version read), since nothing here would use it.
 """
 
 from __future__ import annotations
@@ -51,7 +59,6 @@ import math
 import os
 import re
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -59,16 +66,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from lmcache.config import ConfigError
-from lmcache.tiers.chunk_format import (
-    _FIELDS,
-    _SUM,
-    HEADER_BYTES,
-    ChunkHeader,
-    CorruptChunk,
-    verify_chunk,
-)
+from lmcache.tiers.chunk_format import HEADER_BYTES, ChunkHeader, CorruptChunk, verify_chunk
 from lmcache.tiers.lower_tier import LowerTier, ReadRequest
 from lmcache.tiers.redis_url import mask_url, parse_remote_url
+from lmcache.tiers.tier_guard import Breaker, TierUnavailable, progress
 
 if TYPE_CHECKING:
     import redis
@@ -83,15 +84,12 @@ PASSWORD_ENV = "LMCACHE_REMOTE_PASSWORD"
 _T = TypeVar("_T")
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.\-/]+")
 _SCAN_COUNT = 1000
-#: The header's checksummed fields end here; the rest of its HEADER_BYTES must be zero.
-_HEADER_FIELDS_END = _FIELDS.size + _SUM.size
-_ZERO_PADDING = bytes(HEADER_BYTES - _HEADER_FIELDS_END)
 #: redis-py < 5.3 needs a command name for ``ConnectionPool.get_connection`` (later ones warn).
 _OLD_REDIS_PY: bool | None = None
 
 
-class _Unavailable(ConnectionError):
-    """The circuit breaker is open: the operation was not tried (counted as a tier error)."""
+_Unavailable = TierUnavailable
+"""The circuit breaker is open: the operation was not tried (counted as a tier error)."""
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -101,84 +99,6 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
             f"contiguous={tensor.is_contiguous()}; pass a host chunk lease's tensor."
         )
     return tensor.reshape(-1).view(torch.uint8).numpy().data
-
-
-class _Breaker:
-    """Consecutive-failure circuit breaker: closed → open (cool-down) → one trial → closed."""
-
-    def __init__(self, failures: int, cooldown: float, describe: str) -> None:
-        self.failures = failures
-        self.cooldown = cooldown
-        self.describe = describe
-        self._lock = threading.Lock()
-        self._consecutive = 0
-        self._open_until: float | None = None  # None: closed
-        self._trial = False
-
-    @property
-    def is_open(self) -> bool:
-        with self._lock:
-            return self._open_until is not None
-
-    def admit(self) -> bool:
-        """Let an operation through; returns whether it is the trial of an open breaker.
-
-        Raises:
-            _Unavailable: the breaker is open (cooling down, or a trial is running).
-        """
-        with self._lock:
-            if self._open_until is None:
-                return False
-            left = self._open_until - time.monotonic()
-            if left > 0 or self._trial:
-                raise _Unavailable(
-                    f"{self.describe} is unavailable (circuit breaker open, next try in "
-                    f"{max(left, 0.0):.1f} s)"
-                )
-            self._trial = True
-            return True
-
-    def trip(self) -> None:
-        """Open without logging (the caller logged)."""
-        with self._lock:
-            self._consecutive = self.failures
-            self._open_until = time.monotonic() + self.cooldown
-            self._trial = False
-
-    def record(self, outcome: bool | None, trial: bool, exc: BaseException | None = None) -> None:
-        """Count an operation's outcome: ``True`` ok, ``False`` network failure, ``None`` neither."""
-        with self._lock:
-            if trial:
-                self._trial = False
-            if outcome is None:
-                return
-            if outcome:
-                self._consecutive = 0
-                if self._open_until is not None:
-                    self._open_until = None
-                    logger.warning(
-                        "lmcache remote tier: %s answers again; closed again.", self.describe
-                    )
-                return
-            self._consecutive += 1
-            if trial:
-                self._open_until = time.monotonic() + self.cooldown
-                logger.debug(
-                    "lmcache remote tier: %s still failing (%r); retrying in %.1f s.",
-                    self.describe,
-                    exc,
-                    self.cooldown,
-                )
-            elif self._open_until is None and self._consecutive >= self.failures:
-                self._open_until = time.monotonic() + self.cooldown
-                logger.warning(
-                    "lmcache remote tier: circuit breaker open after %d consecutive failures of "
-                    "%s (last: %r); operations are misses, retrying in %.1f s.",
-                    self._consecutive,
-                    self.describe,
-                    exc,
-                    self.cooldown,
-                )
 
 
 class RedisTier(LowerTier):
@@ -193,6 +113,9 @@ class RedisTier(LowerTier):
         write_queue_bytes: Bytes of queued writes beyond which new writes are dropped.
         breaker_failures: Consecutive failed operations that open the circuit breaker.
         breaker_cooldown: Seconds the breaker stays open before one trial operation.
+        tier_timeout: Seconds a read (``contains``, ``read_into``) may go without progress
+            before it is abandoned (:class:`~lmcache.tiers.LowerTier`); ``None``: no deadline
+            beyond ``timeout`` per socket operation.
 
     Raises:
         ConfigError: a malformed URL, unknown scheme, or bad namespace/timeout/ttl/breaker value
@@ -215,6 +138,7 @@ class RedisTier(LowerTier):
         write_queue_bytes: int = 1 << 30,
         breaker_failures: int = 3,
         breaker_cooldown: float = 5.0,
+        tier_timeout: float | None = 5.0,
     ) -> None:
         target = parse_remote_url(url)
         if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
@@ -237,17 +161,18 @@ class RedisTier(LowerTier):
             import redis
         except ImportError as exc:
             raise ImportError(
-                "lmcache's remote tier (remote_url) needs redis-py: pip install "
-                "'lmcache-core[redis]'"
+                "lmcache's remote tier (remote_url) needs redis-py: pip install 'redis>=5.0' "
+                "hiredis (lmcache-core's [redis] extra)"
             ) from exc
         global _OLD_REDIS_PY
         if _OLD_REDIS_PY is None:
             from packaging.version import Version
 
             _OLD_REDIS_PY = Version(redis.__version__) < Version("5.3")
-        super().__init__(write_queue_bytes=write_queue_bytes)
+        super().__init__(write_queue_bytes=write_queue_bytes, tier_timeout=tier_timeout)
         self._target = target
         self._masked = mask_url(url)
+        self._guard.breaker.describe = self._masked
         self._namespace = namespace
         self._timeout = float(timeout)
         self._ttl_ms = None if ttl is None else max(1, round(ttl * 1000))
@@ -256,7 +181,9 @@ class RedisTier(LowerTier):
         self._decoder_lock = threading.Lock()
         self._decode_pool: ThreadPoolExecutor | None = None
         self._client_obj: Any = None  # redis.Redis or redis.cluster.RedisCluster, made lazily
-        self._breaker = _Breaker(breaker_failures, breaker_cooldown, self._masked)
+        self._breaker = Breaker(
+            breaker_failures, breaker_cooldown, self._masked, label="lmcache remote tier"
+        )
         client: Any = None
         try:  # not through the breaker: a failure here is logged once, below
             client = self._client()
@@ -431,6 +358,8 @@ class RedisTier(LowerTier):
                     return list(pipe.execute())
 
                 values = self._run(op)
+                if not progress():  # abandoned past its deadline: nobody reads the rest
+                    return results
                 if pending is not None and not pending.result():
                     return results
                 pending = self._decoder().submit(decode, start, values)
@@ -462,7 +391,7 @@ class RedisTier(LowerTier):
             if not isinstance(value, bytes):
                 raise CorruptChunk(f"value is a {type(value).__name__}, expected bytes")
             data = memoryview(value)
-            header = ChunkHeader.decode(data[:HEADER_BYTES])
+            header = ChunkHeader.decode(data[:HEADER_BYTES])  # zero padding checked too
 
             def verify(payload: torch.Tensor | None) -> None:
                 verify_chunk(
@@ -475,8 +404,6 @@ class RedisTier(LowerTier):
                 )
 
             verify(None)  # header fields first: never copy a value of another shape
-            if data[_HEADER_FIELDS_END:HEADER_BYTES] != _ZERO_PADDING:
-                raise CorruptChunk("header padding is not zero")
             if len(data) != HEADER_BYTES + header.nbytes:
                 raise CorruptChunk(
                     f"value is {len(data)} bytes, expected {HEADER_BYTES} + {header.nbytes}"
