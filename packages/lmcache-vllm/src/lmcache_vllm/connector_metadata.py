@@ -84,10 +84,15 @@ class LMCacheConnectorMetadata(_VllmMetadata):  # type: ignore[misc]
         requests: Loads and saves of this step.
         preempted: Requests vLLM preempted since the last step: their blocks are about to be
             reused, so the workers finish reading them (in-flight saves) first.
+        finished: Saves of requests that finished at the last step with chunks completed by
+            speculative tokens vLLM accepted in that step (known only after it). vLLM has freed
+            their blocks: the workers copy them in ``handle_preemptions``, before anything of
+            this step rewrites a page, or not at all.
     """
 
     requests: list[ReqMeta] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    finished: list[ReqMeta] = field(default_factory=list)
 
 
 @dataclass
@@ -105,6 +110,7 @@ class Tracker:
 ENGINE_COUNTERS: tuple[str, ...] = (
     "checksum_failures",
     "tier_errors",
+    "tier_timeouts",
     "disk_hit_chunks",
     "remote_hit_chunks",
     "dropped_writes",

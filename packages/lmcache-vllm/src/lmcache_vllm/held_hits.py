@@ -8,6 +8,11 @@ therefore takes verified leases on the chunks it found (:meth:`LMCacheEngine.loo
 and parks them here under the request id: a leased chunk is never evicted, and its checksum was
 checked once, at lookup. The load uses them and releases them; so do the request's end, a
 newer lookup of the same request, and a timeout for requests that vanished (counted).
+
+A lookup may still be running when its request ends (aborted while its lookup reads a slow disk,
+or past the scheduler's deadline): :meth:`HeldHits.finish` remembers ended requests for a while,
+so a lease put for one of them afterwards is released at once instead of waiting for the
+timeout. vLLM makes every request id unique (a random suffix), so an id never comes back.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -39,13 +45,28 @@ class HeldHits:
 
     Args:
         timeout_s: A hit not taken within this many seconds of its last lookup is released.
+        ended_s: How long an ended request is remembered (a lookup still in flight for it then
+            releases its hit at once): longer than any lookup may run.
+        ended_max: Most ended requests remembered (the oldest are forgotten first; a late hit
+            of a forgotten one is released by the timeout).
+
+    Attributes:
+        expired: Hits released by the timeout since construction.
+        late: Hits put for requests that had ended already (released at once) since
+            construction.
     """
 
-    def __init__(self, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, timeout_s: float = 120.0, ended_s: float = 600.0, ended_max: int = 65536
+    ) -> None:
         self.timeout_s = timeout_s
+        self.ended_s = ended_s
+        self.ended_max = ended_max
         self._held: dict[str, _Held] = {}
+        self._ended: OrderedDict[str, float] = OrderedDict()  # request id -> when it ended
         self._lock = threading.Lock()
         self.expired = 0
+        self.late = 0
 
     def __len__(self) -> int:
         with self._lock:
@@ -62,19 +83,27 @@ class HeldHits:
             return held.hit.num_tokens
 
     def put(self, req_id: str, hit: HeldHit, num_query_tokens: int, salt: str) -> None:
-        """Hold ``hit`` for ``req_id``, releasing what it held before (an empty hit is released
-        at once)."""
+        """Hold ``hit`` for ``req_id``, releasing what it held before (an empty hit, or one of a
+        request that has ended already, is released at once)."""
         new = None
         if hit.num_tokens > 0:
             new = _Held(hit, num_query_tokens, salt, time.monotonic() + self.timeout_s)
-        else:
-            hit.release()
         with self._lock:
+            ended = req_id in self._ended
             old = self._held.pop(req_id, None)
-            if new is not None:
+            if new is not None and not ended:
                 self._held[req_id] = new
+            elif ended:
+                self.late += 1
+        if new is None or ended:
+            hit.release()
         if old is not None:
             old.hit.release()
+
+    def has_ended(self, req_id: str) -> bool:
+        """Whether ``req_id`` ended (:meth:`finish`) and is still remembered."""
+        with self._lock:
+            return req_id in self._ended
 
     def pop(self, req_id: str) -> HeldHit | None:
         """Take the hit held for ``req_id`` (the caller releases it)."""
@@ -83,11 +112,32 @@ class HeldHits:
         return None if held is None else held.hit
 
     def release(self, req_ids: Iterable[str]) -> None:
-        """Release the hits of ``req_ids`` (those that hold one)."""
+        """Release the hits of ``req_ids`` (those that hold one); e.g. preempted requests,
+        which may look up again when they resume."""
         for req_id in req_ids:
             hit = self.pop(req_id)
             if hit is not None:
                 hit.release()
+
+    def finish(self, req_ids: Iterable[str]) -> None:
+        """Requests that ended (finished, aborted): release their hits, and remember them so a
+        hit a lookup still in flight puts for one of them later is released at once."""
+        now = time.monotonic()
+        hits = []
+        with self._lock:
+            for req_id in req_ids:
+                self._ended[req_id] = now
+                self._ended.move_to_end(req_id)
+                held = self._held.pop(req_id, None)
+                if held is not None:
+                    hits.append(held.hit)
+            while self._ended and (
+                len(self._ended) > self.ended_max
+                or next(iter(self._ended.values())) < now - self.ended_s
+            ):
+                self._ended.popitem(last=False)
+        for hit in hits:
+            hit.release()
 
     def expire(self, now: float | None = None) -> int:
         """Release hits past their timeout; returns how many."""

@@ -8,14 +8,18 @@ processes). The lifecycle:
 1. Each worker rank starts a :class:`LookupServer` once its KV caches are registered. The server
    binds ``socket_path(engine_key, rank)`` and answers from a daemon thread, one thread per
    connection, so one slow or stuck peer never blocks another.
-2. The scheduler's :class:`LookupClient` keeps one persistent connection per rank. A lookup sends
-   the :class:`LookupQuery` to *every* rank at once, then collects the replies until *one* overall
-   deadline (``timeout_s`` from the start of the call). The answer is the minimum over the ranks:
-   a token counts only when every rank holds its shard. The worker leases the hit chunks under
+2. The scheduler's :class:`LookupClient` keeps persistent connections per rank (one for each
+   lookup in flight at once: lookups from several threads never wait for each other). A lookup
+   sends the :class:`LookupQuery` to *every* rank at once, then collects the replies until *one*
+   overall deadline (``timeout_s`` from the start of the call). The answer is the minimum over
+   the ranks: a token counts only when every rank holds its shard. The worker leases the hit chunks under
    ``req_id`` when it answers, so the load that follows finds them. A rank whose server lives in
    the client's own process (vLLM's scheduler and a single worker share the engine-core
    process) is called directly: same answer, no socket round trip; when every rank is, no frame
    is packed either (the query's limits are checked, its token ids where their keys are made).
+   With ``direct_deadline`` such a call runs on a daemon thread and is waited for until the
+   same deadline: a worker stuck in a lookup is a miss, never a stuck caller (and after
+   repeated timeouts the client backs off, asking nothing for a while, one log line).
 3. :meth:`LookupClient.clear` asks every rank to empty its cache (``reset_prefix_cache``).
 4. :meth:`LookupServer.close` stops serving and removes the socket file, but only if the file at
    the path is still the one it bound (a newer server may have replaced it).
@@ -54,8 +58,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
+from lmcache.tiers.tier_guard import TierGuard, TierTimeout, TierUnavailable
 from lmcache_vllm.lookup_wire import (
     MAX_EXTRA_KEY_BYTES,
     MAX_EXTRA_KEYS,
@@ -388,20 +394,33 @@ class LookupServer:
             self.path.parent.rmdir()  # fails while another socket remains: left in place
 
 
-class _Rank:
-    """Client-side view of one rank: its socket, connection and last reported state."""
+_IDLE_CONNECTIONS = 4
+"""Idle connections a client keeps per rank (one per lookup in flight at once, at most)."""
 
-    __slots__ = ("conn", "path", "rank", "state")
+
+class _Rank:
+    """Client-side view of one rank: its socket, idle connections and last reported state.
+
+    A lookup takes an idle connection (or makes one) for its exchange and gives it back once
+    the reply is in, so lookups from several threads run at once, each on its own connection.
+    """
+
+    __slots__ = ("idle", "path", "rank", "state")
 
     def __init__(self, rank: int, path: Path) -> None:
         self.rank = rank
         self.path = path
-        self.conn: socket.socket | None = None
+        self.idle: list[socket.socket] = []
         self.state = "unknown"
 
+    @property
+    def conn(self) -> socket.socket | None:
+        """The idle connection the next exchange takes, if any."""
+        return self.idle[-1] if self.idle else None
+
     def drop(self) -> None:
-        conn, self.conn = self.conn, None
-        if conn is not None:
+        idle, self.idle = self.idle, []
+        for conn in idle:
             conn.close()
 
 
@@ -421,7 +440,8 @@ class _Exchange:
 class LookupClient:
     """Asks every rank's :class:`LookupServer` in parallel and combines the answers.
 
-    Not for concurrent use from many threads (calls are serialized by a lock).
+    Thread-safe: lookups answered only by servers in this process run concurrently; those that
+    go over the sockets are serialized by a lock (one connection per rank).
 
     Args:
         engine_key: ``engine_id + ":" + instance_id``, as given to the servers.
@@ -430,14 +450,19 @@ class LookupClient:
         base: As for :class:`LookupServer`.
         in_process: Call the servers that live in this process directly (the default; vLLM's
             scheduler shares its process with a single worker). ``False`` always uses the
-            sockets. A direct call has no deadline: the worker's lookup itself is bounded (it
-            waits at most 0.5 s for a queued save of the same prompt).
+            sockets.
+        direct_deadline: Run direct lookups on daemon threads under ``timeout_s`` (a late one
+            is abandoned: a miss); after 3 in a row, ask nothing directly for 30 s. Without it
+            a direct lookup runs on the caller's thread with no deadline of its own (for
+            lookups that touch no disk or network: the worker's lookup waits at most 0.5 s,
+            for a queued save of the same prompt).
 
     Attributes:
         paths: The ranks' socket paths.
         timeout_s: As given.
         failures: Rank answers that became misses (unreachable, late, garbage or -1), plus
             queries that could not be encoded, since construction.
+        timeouts: Rank answers that missed the deadline (also in ``failures``).
     """
 
     def __init__(
@@ -448,6 +473,7 @@ class LookupClient:
         timeout_s: float = 1.0,
         base: str | os.PathLike[str] | None = None,
         in_process: bool = True,
+        direct_deadline: bool = False,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"LookupClient world_size is {world_size}; expected at least 1")
@@ -456,11 +482,17 @@ class LookupClient:
         self.paths = [socket_path(engine_key, r, base=base) for r in range(world_size)]
         self.timeout_s = timeout_s
         self.failures = 0
+        self.timeouts = 0
         self._ranks = [_Rank(r, p) for r, p in enumerate(self.paths)]
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the ranks' idle connections
+        self._state_lock = threading.Lock()  # counters and each rank's reported state
         self._closed = False
         self._bad_query_log = _Throttle()
         self._in_process = in_process
+        self._direct: TierGuard | None = None
+        if direct_deadline:
+            self._direct = TierGuard("lookup", timeout_s, label="lmcache lookup")
+            self._direct.breaker.describe = "the worker rank(s) in this process"
 
     def lookup(self, query: LookupQuery) -> int:
         """Leading tokens every rank holds; 0 on any failure. Never raises.
@@ -485,13 +517,19 @@ class LookupClient:
             self._bad_query(query, exc)
             return 0
         try:
-            with self._lock:
-                if self._closed:
-                    return 0
+            if self._closed:
+                return 0
+            if not payload:  # every rank in this process: no socket, no lock
+                answers: list[int | None] = [None] * len(self._ranks)
+                for rank, server in zip(self._ranks, servers, strict=True):
+                    assert server is not None
+                    self._answer_local(rank, server, query, limit, answers)
+            else:
                 answers = self._exchange(payload, deadline, limit, query, servers)
         except Exception:  # a bug here must still not reach vLLM's scheduler
             logger.exception("lmcache lookup: unexpected error; counting a miss")
-            self.failures += 1
+            with self._state_lock:
+                self.failures += 1
             return 0
         if any(a is None for a in answers):
             return 0
@@ -511,10 +549,9 @@ class LookupClient:
         """
         deadline = time.monotonic() + self.timeout_s
         try:
-            with self._lock:
-                if self._closed:
-                    return False
-                answers = self._exchange(encode_clear(), deadline, 0, None, self._servers())
+            if self._closed:
+                return False
+            answers = self._exchange(encode_clear(), deadline, 0, None, self._servers())
         except Exception:
             logger.exception("lmcache lookup: unexpected error in clear")
             return False
@@ -526,9 +563,12 @@ class LookupClient:
             self._closed = True
             for rank in self._ranks:
                 rank.drop()
+        if self._direct is not None:
+            self._direct.close()
 
     def _bad_query(self, query: object, exc: Exception) -> None:
-        self.failures += 1
+        with self._state_lock:
+            self.failures += 1
         held = self._bad_query_log.ready()
         if held is None:
             return
@@ -543,11 +583,14 @@ class LookupClient:
 
     def _note(self, rank: _Rank, state: str, detail: str = "") -> None:
         """Record ``rank``'s outcome; log only when its state changes."""
-        if state != "ok":
-            self.failures += 1
-        if state == rank.state:
-            return
-        previous, rank.state = rank.state, state
+        with self._state_lock:
+            if state != "ok":
+                self.failures += 1
+            if state == "timeout":
+                self.timeouts += 1
+            if state == rank.state:
+                return
+            previous, rank.state = rank.state, state
         if state == "ok":
             if previous != "unknown":
                 logger.info("lmcache lookup: rank %d (%s) answers again", rank.rank, rank.path)
@@ -564,16 +607,22 @@ class LookupClient:
         )
 
     def _connection(self, rank: _Rank) -> socket.socket | None:
-        """A connected, idle, non-blocking socket to ``rank``, or ``None`` (noted as a miss)."""
-        conn = rank.conn
-        if conn is not None:
+        """A connected, idle, non-blocking socket to ``rank`` for one exchange (give it back
+        with :meth:`_give_back`), or ``None`` (noted as a miss)."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    return None
+                conn = rank.idle.pop() if rank.idle else None
+            if conn is None:
+                break
             try:
                 conn.recv(1, socket.MSG_PEEK)  # idle: nothing to read, not closed
             except BlockingIOError:
                 return conn
             except OSError:
                 pass
-            rank.drop()  # closed by the server, or bytes nobody asked for: start afresh
+            conn.close()  # closed by the server, or bytes nobody asked for: try the next
         problem = _unsafe_folder(rank.path.parent)
         if problem is not None:
             self._note(rank, "unsafe folder", f"{rank.path.parent}: {problem}; not connecting")
@@ -591,11 +640,18 @@ class LookupClient:
         except OSError as exc:
             state, detail = "connect failed", exc.strerror or type(exc).__name__
         else:
-            rank.conn = conn
             return conn
         conn.close()
         self._note(rank, state, detail)
         return None
+
+    def _give_back(self, rank: _Rank, conn: socket.socket) -> None:
+        """``conn`` answered its exchange in full: keep it for the next one."""
+        with self._lock:
+            if not self._closed and len(rank.idle) < _IDLE_CONNECTIONS:
+                rank.idle.append(conn)
+                return
+        conn.close()
 
     def _exchange(
         self,
@@ -622,7 +678,7 @@ class LookupClient:
                 remote.append(rank)
         if not remote:  # one worker in this process (vLLM's usual single-GPU case)
             for rank, server in local:
-                self._accept(rank, server.answer(request), limit, answers)
+                self._answer_local(rank, server, request, limit, answers)
             return answers
         with selectors.DefaultSelector() as sel:
             for rank in remote:
@@ -630,7 +686,7 @@ class LookupClient:
                 if conn is not None:
                     sel.register(conn, selectors.EVENT_WRITE, _Exchange(rank, conn, payload))
             for rank, server in local:  # the remote ranks work meanwhile
-                self._accept(rank, server.answer(request), limit, answers)
+                self._answer_local(rank, server, request, limit, answers)
             while sel.get_map():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -649,12 +705,12 @@ class LookupClient:
                         continue
                     except OSError as exc:
                         sel.unregister(conn)
-                        ex.rank.drop()
+                        conn.close()
                         self._note(ex.rank, "connection lost", exc.strerror or str(exc))
                         continue
                     if not part:
                         sel.unregister(conn)
-                        ex.rank.drop()
+                        conn.close()
                         self._note(ex.rank, "connection lost", "closed by the server")
                         continue
                     ex.reply += part
@@ -662,13 +718,42 @@ class LookupClient:
                         continue
                     sel.unregister(conn)
                     (value,) = REPLY.unpack(ex.reply)
+                    if -1 <= value <= limit:
+                        self._give_back(ex.rank, conn)
+                    else:
+                        conn.close()  # out of step with this server: start afresh
                     self._accept(ex.rank, value, limit, answers)
             for key in list(sel.get_map().values()):
                 ex = key.data
                 sel.unregister(key.fileobj)
-                ex.rank.drop()  # a late reply must never answer the next request
+                ex.conn.close()  # a late reply must never answer a later request
                 self._note(ex.rank, "timeout", f"no answer within {self.timeout_s:g} s of the call")
         return answers
+
+    def _answer_local(
+        self,
+        rank: _Rank,
+        server: LookupServer,
+        request: LookupQuery | None,
+        limit: int,
+        answers: list[int | None],
+    ) -> None:
+        """``rank``'s answer from its server in this process: a direct call, under the deadline
+        with ``direct_deadline`` (a clear, ``request`` ``None``, is always waited for)."""
+        if self._direct is None or request is None:
+            self._accept(rank, server.answer(request), limit, answers)
+            return
+        try:
+            value = self._direct.call(partial(server.answer, request))
+        except TierTimeout:
+            self._note(
+                rank, "timeout", f"no answer within {self.timeout_s:g} s in this process; abandoned"
+            )
+            return
+        except TierUnavailable as exc:
+            self._note(rank, "backing off", str(exc))
+            return
+        self._accept(rank, value, limit, answers)
 
     def _accept(self, rank: _Rank, value: int, limit: int, answers: list[int | None]) -> None:
         """Record ``rank``'s reply ``value``: an answer in ``[0, limit]``, else a miss."""
@@ -678,5 +763,4 @@ class LookupClient:
         elif value == -1:
             self._note(rank, "server error", "the worker's lookup failed")
         else:
-            rank.drop()
             self._note(rank, "bad reply", f"{value} for {limit} tokens")

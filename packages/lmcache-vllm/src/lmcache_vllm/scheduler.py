@@ -16,21 +16,31 @@ Per request:
    prefix cache does: vLLM computes at least the last token, and never starts mid-block).
 2. :meth:`SchedulerSide.update_state_after_alloc` then :meth:`SchedulerSide.build_connector_meta`:
    records what to load (``[vllm_cached, load_end)``) and what to save (tokens computed this
-   step that are not saved yet) in plain dataclasses pickled to the workers.
+   step that are not saved yet, never beyond the request's known tokens: with speculative
+   decoding a step also computes draft tokens, which vLLM accepts or rejects only after it, so
+   a chunk that drafts complete is saved at the next step, once they are accepted) in plain
+   dataclasses pickled to the workers.
    With a disk or remote tier configured, a lookup may read chunks from them before it can
    promise anything (they are leased only once in host memory), which can take longer than a
    scheduler step: the lookup then runs on a background thread and the method returns ``None``
    (vLLM's "ask again later") until the answer is in, so the scheduler never waits for a disk or
-   a network.
+   a network. Such a lookup has a deadline (:data:`ASYNC_LOOKUP_TIMEOUT_S`, past which it is a
+   miss, counted in ``lookup_timeouts``), on every path: a worker in this process is asked on a
+   daemon thread, others over their sockets; the tiers bound each read themselves
+   (``tier_timeout``). Several run at once (:data:`LOOKUP_THREADS`), so a slow one never holds
+   up the lookups of other requests.
 3. :meth:`SchedulerSide.request_finished`: forgets the request. vLLM frees its blocks at once:
    saves are asynchronous, but every worker step first waits until queued saves have copied
    their pages (:mod:`lmcache_vllm.save_queue`), so a freed block is never rewritten while a
-   save reads it.
+   save reads it. A chunk completed by drafts accepted in the request's last step is saved
+   from the freed blocks by the workers at the start of the next step, before it rewrites any
+   page (``LMCacheConnectorMetadata.finished``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -54,7 +64,15 @@ logger = logging.getLogger(__name__)
 ASYNC_LOOKUP_TIMEOUT_S = 30.0
 """Deadline of one asynchronous lookup (disk / remote tiers): it runs off the scheduler thread,
 so it may read a long prompt's chunks from a slow disk or network; a rank that misses it is a
-miss."""
+miss. A hung tier costs less: each of its reads is abandoned after ``tier_timeout`` seconds
+without progress."""
+
+LOOKUP_THREADS = 4
+"""Asynchronous lookups that may run at once (each on its own thread)."""
+
+LATE_GRACE_S = 1.0
+"""An asynchronous lookup still pending this long after its deadline (it waited for a thread)
+is a miss."""
 
 _T = TypeVar("_T")
 
@@ -99,15 +117,17 @@ class SchedulerSide:
         self._lookup_client: LookupClient | None = None
         # Lookups that may read the disk / remote tier run off the scheduler thread.
         self.async_lookups = config.local_disk is not None or config.remote_url is not None
-        self._lookups: dict[str, Future[int]] = {}
+        self._lookups: dict[str, tuple[Future[int], float]] = {}  # and when it is too late
         self._lookup_pool: ThreadPoolExecutor | None = None
         self._load_specs: dict[str, LoadSpec] = {}
         self._trackers: dict[str, Tracker] = {}
         self._requests: dict[str, Any] = {}
         self._keys: dict[str, RequestKey] = {}
         self._preempted: list[str] = []
+        self._finished_saves: list[ReqMeta] = []  # sent with the next step's metadata
         self._failures_logged: set[tuple[str, str]] = set()
-        self.stats = {"scheduler_failures": 0, "skipped_requests": 0}
+        self.stats = {"scheduler_failures": 0, "skipped_requests": 0, "lookup_timeouts": 0}
+        self._client_timeouts = 0  # the lookup client's timeouts already reported
         self.loads_enabled = self.kv_role != "kv_producer"
         if world_size > local_world_size:
             self.loads_enabled = False
@@ -155,6 +175,7 @@ class SchedulerSide:
                 self.engine_key,
                 self.world_size,
                 timeout_s=ASYNC_LOOKUP_TIMEOUT_S if self.async_lookups else 1.0,
+                direct_deadline=self.async_lookups,  # a worker here may be stuck on a tier
             )
         return self._lookup_client
 
@@ -191,17 +212,25 @@ class SchedulerSide:
         if key.skip_reason is not None or not tokens:
             return 0
         pending = self._lookups.pop(rid, None)
-        if pending is not None and not pending.done():
-            self._lookups[rid] = pending
-            return None  # vLLM asks again at a later step
-        if pending is not None:
-            hit = pending.result()  # LookupClient.lookup never raises
+        if pending is not None and not pending[0].done():
+            if time.monotonic() <= pending[1]:
+                self._lookups[rid] = pending
+                return None  # vLLM asks again at a later step
+            # Past its deadline (e.g. queued behind stuck lookups): a miss. Its worker-side
+            # lease, if one comes, goes with the request's end (or load-less first step).
+            self.stats["lookup_timeouts"] += 1
+            hit = 0
+        elif pending is not None:
+            hit = pending[0].result()  # LookupClient.lookup never raises
         else:
             query = LookupQuery(
                 rid, tokens, key.salt, _extra_for(key.extra_keys, len(tokens), self)
             )
             if self.async_lookups:
-                self._lookups[rid] = self._pool().submit(self._client().lookup, query)
+                client = self._client()
+                future = self._pool().submit(client.lookup, query)
+                late = getattr(client, "timeout_s", ASYNC_LOOKUP_TIMEOUT_S) + LATE_GRACE_S
+                self._lookups[rid] = (future, time.monotonic() + late)
                 return None
             hit = self._client().lookup(query)
         # vLLM must compute >= 1 token, and a hit ends on a block boundary like vLLM's own
@@ -246,6 +275,7 @@ class SchedulerSide:
             for req_id in scheduler_output.finished_req_ids:
                 self._forget(str(req_id))
             meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
+            meta.finished, self._finished_saves = self._finished_saves, []
             num_sched = scheduler_output.num_scheduled_tokens
             new_reqs = list(scheduler_output.scheduled_new_reqs)
             cached = scheduler_output.scheduled_cached_reqs
@@ -340,7 +370,11 @@ class SchedulerSide:
     ) -> None:
         if load is not None and load.load_end <= load.vllm_cached:
             load = None
-        save = self._save_spec(tracker, computed_end)
+        # Speculative decoding: a step also computes draft tokens, which vLLM verifies only
+        # after it (a rejected draft's KV is garbage, and its slot is rewritten next step).
+        # Save only known tokens (prompt + accepted output, all of them computed by the end of
+        # this step); a chunk that drafts complete is saved once its last token is known.
+        save = self._save_spec(tracker, min(computed_end, len(request.all_token_ids)))
         if load is None and save is None:
             return
         need = max(load.lmcache_hit if load else 0, save.end if save else 0)
@@ -365,8 +399,11 @@ class SchedulerSide:
         )
 
     def _pool(self) -> ThreadPoolExecutor:
+        """Threads of asynchronous lookups (each call returns by its deadline: none is held)."""
         if self._lookup_pool is None:
-            self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="lmcache-lookup")
+            self._lookup_pool = ThreadPoolExecutor(
+                LOOKUP_THREADS, thread_name_prefix="lmcache-lookup"
+            )
         return self._lookup_pool
 
     def _forget(self, rid: str) -> Tracker | None:
@@ -377,9 +414,42 @@ class SchedulerSide:
         return self._trackers.pop(rid, None)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> None:
-        """Forget the request (its worker-side leases go with ``finished_req_ids``)."""
+        """Forget the request (its worker-side leases go with ``finished_req_ids``), after
+        noting the save of chunks that its last step completed with accepted speculative
+        tokens (:meth:`_save_finished`)."""
         rid = str(getattr(request, "request_id", "?"))
+        save = partial(self._save_finished, request, rid, block_ids)
+        self._guard("request_finished", rid, None, save)
         self._guard("request_finished", rid, None, lambda: self._forget(rid))
+
+    def _save_finished(self, request: Any, rid: str, block_ids: list[int]) -> None:
+        """Speculative decoding: the draft tokens that vLLM accepted in a request's last step
+        were unknown when that step's save was planned, so a chunk they completed is saved
+        now, from ``block_ids`` (vLLM's blocks of the request, freed when this returns). The
+        save goes with the next step's metadata, and the workers copy it before that step
+        rewrites any page (``LMCacheConnectorMetadata.finished``)."""
+        tracker = self._trackers.get(rid)
+        if tracker is None:
+            return
+        # KV in vLLM's pages: tokens computed by the steps processed so far (vLLM's own "safe
+        # frontier"; asynchronous scheduling counts a step in flight as computed already) that
+        # are known (a step may compute drafts beyond the tokens kept at a stop)
+        placeholders = int(getattr(request, "num_output_placeholders", 0) or 0)
+        done = int(getattr(request, "num_computed_tokens", 0) or 0) - placeholders
+        save = self._save_spec(tracker, min(done, len(request.all_token_ids)))
+        if save is None or len(block_ids) * self.block_size < save.end:
+            return
+        tokens = list(request.all_token_ids[: save.end])
+        self._finished_saves.append(
+            ReqMeta(
+                req_id=rid,
+                token_ids=tokens,
+                block_ids=[int(b) for b in block_ids],
+                salt=tracker.salt,
+                extra_keys=_extra_for(tracker.extra_keys, len(tokens), self),
+                save=save,
+            )
+        )
 
     def reset_cache(self) -> bool:
         """Ask every worker rank to drop this engine's chunks."""
@@ -387,6 +457,11 @@ class SchedulerSide:
 
     def take_stats(self) -> dict[str, float] | None:
         """Counters since the last call (``None`` when nothing happened)."""
+        client = self._lookup_client
+        if client is not None:  # ranks that missed the client's deadline
+            timeouts = int(getattr(client, "timeouts", 0))
+            self.stats["lookup_timeouts"] += timeouts - self._client_timeouts
+            self._client_timeouts = timeouts
         if not any(self.stats.values()):
             return None
         out = {k: float(v) for k, v in self.stats.items()}

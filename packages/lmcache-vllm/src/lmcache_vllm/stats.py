@@ -34,6 +34,9 @@ COUNTERS: dict[str, str] = {
     "(e.g. prompt embeddings).",
     "checksum_failures": "Chunks that failed verification in any tier (treated as misses).",
     "tier_errors": "Tier operations that failed or timed out (treated as misses).",
+    "tier_timeouts": "Disk/remote reads abandoned after tier_timeout seconds without progress "
+    "(treated as misses; also counted in tier_errors).",
+    "lookup_timeouts": "Lookups of a worker rank that missed their deadline (treated as misses).",
     "disk_hit_chunks": "Chunks read from the local disk tier.",
     "remote_hit_chunks": "Chunks read from the remote (Redis/Valkey) tier.",
     "dropped_writes": "Disk/remote writes dropped because the write queue was full.",
@@ -71,6 +74,7 @@ class LMCacheKVConnectorStats(KVConnectorStats):  # type: ignore[misc]
             "lmcache disk hit chunks": int(d.get("disk_hit_chunks", 0)),
             "lmcache remote hit chunks": int(d.get("remote_hit_chunks", 0)),
             "lmcache tier errors": int(d.get("tier_errors", 0)),
+            "lmcache tier timeouts": int(d.get("tier_timeouts", 0)),
         }
 
     def is_empty(self) -> bool:

@@ -9,7 +9,10 @@ One per worker process (vLLM keeps one worker-side connector per process). Per s
    enqueued; then notes this step's batched saves and releases leases of preempted requests and
    stale ones. Their planning (chunk keys, host buffers, one copy plan for all of them) is
    queued on the copy thread at the forward's last layer (:meth:`WorkerSide.save_kv_layer`),
-   once vLLM's thread has enqueued the forward, and runs while the step computes.
+   once vLLM's thread has enqueued the forward, and runs while the step computes. Earlier,
+   first thing in the step, :meth:`WorkerSide.handle_preemptions` fences preempted requests'
+   blocks and copies chunks of requests that finished at the last step whose tokens became
+   known only after it (speculative decoding), before vLLM rewrites their freed blocks.
 2. :meth:`WorkerSide.start_load_kv`: loads every request's hit from the chunks this rank leased
    at lookup (:mod:`lmcache_vllm.held_hits`). On CUDA the copies are enqueued on a load stream
    and the compute stream waits for them on the device (batched: all layers at once;
@@ -209,8 +212,8 @@ class WorkerSide:
 
     def _lookup(self, query: LookupQuery) -> int:
         engine = self.lmcache_engine
-        if engine is None:
-            return 0
+        if engine is None or self._held.has_ended(query.req_id):
+            return 0  # ended meanwhile (a query that waited): nothing to read or lease
         reused = self._held.reuse(query.req_id, len(query.tokens), query.salt)
         if reused is not None:
             return reused
@@ -307,14 +310,42 @@ class WorkerSide:
 
     def handle_preemptions(self, meta: Any) -> None:
         """Preempted requests' blocks are about to be reused: no save may still read them.
+        Saves of requests that finished at the last step (``meta.finished``: chunks completed
+        by accepted speculative tokens) read their freed blocks now, before vLLM may rewrite
+        them (it zeroes or copies blocks next, then loads and computes).
 
         vLLM calls this first thing in every step, before preparing the step's inputs; with
-        nothing preempted it returns at once (the step's :meth:`bind`, right before the
-        forward, orders the step's writes after the saves' reads: fencing here as well would
-        make the step wait for the last step's copies to be enqueued that much earlier)."""
-        if isinstance(meta, LMCacheConnectorMetadata) and not meta.preempted:
-            return
+        nothing preempted or finished it returns at once (the step's :meth:`bind`, right
+        before the forward, orders the step's writes after the saves' reads: fencing here as
+        well would make the step wait for the last step's copies to be enqueued that much
+        earlier)."""
+        if isinstance(meta, LMCacheConnectorMetadata):
+            if meta.finished:
+                self._save_finished(meta.finished)
+            elif not meta.preempted:
+                return
         self._fence()
+
+    def _save_finished(self, reqs: list[ReqMeta]) -> None:
+        """Queue one batched save of finished requests' chunks (their KV was written by the
+        steps before this one); the caller fences, so the pages are read before this step
+        writes any."""
+        engine = self.lmcache_engine
+        if engine is None or not self._registered:
+            return
+        saves = []
+        for req in reqs:
+            if req.save is not None:
+                tokens = req.token_ids[: req.save.end]
+                saves.append(_PlannedSave(req, tokens, self._unpublished.add(req.salt, tokens)))
+        if not saves:
+            return
+        step = _StepSaves(saves, queued=True)
+        self._saves.submit(step.label, partial(self._plan_job, engine, step))
+        # CUDA: after every forward enqueued so far (the one that wrote this KV)
+        ready = self._forward_event() if self._store_stream() is not None else None
+        fence = ReadFence()
+        self._saves.submit(step.label, self._save_job(step, ready, fence), fence)
 
     def _fence(self) -> None:
         """Order every later write of vLLM's pages after the reads of the saves queued so far:
@@ -664,9 +695,15 @@ class WorkerSide:
         return _copy
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> None:
-        """Release the leases of finished requests; nothing is ever reported as finished
-        sending (blocks are freed at once: :meth:`bind` fences their reuse)."""
-        self._held.release(finished_req_ids)
+        """Release the leases of finished (or aborted) requests, also those a lookup still in
+        flight for one of them takes later (:meth:`HeldHits.finish`); nothing is ever reported
+        as finished sending (blocks are freed at once: :meth:`bind` fences their reuse)."""
+        self._held.finish(finished_req_ids)
+
+    @property
+    def held_leases(self) -> int:
+        """Requests whose lookup hit this rank holds leased (until their load or end)."""
+        return len(self._held)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call."""

@@ -259,7 +259,7 @@ def test_lookups_that_may_read_lower_tiers_never_block_the_scheduler():
     assert impl.get_num_new_matched_tokens(req, 64) is None
     assert impl.get_num_new_matched_tokens(req, 64) is None  # in flight: not asked twice
     gate.set()
-    impl.scheduler._lookups["a"].result(10)
+    impl.scheduler._lookups["a"][0].result(10)
     assert impl.get_num_new_matched_tokens(req, 64) == 128  # 192 found, vLLM holds 64
     assert len(client.queries) == 1
     # A request that finishes while its lookup is in flight is forgotten with it.
