@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmcache.gpu_connector.interface import ChunkTransfer, EngineInfo, KVLayoutError, TransferSpec
 from lmcache.devices import DeviceBackend, get_backend
+from lmcache.gpu_connector.interface import ChunkTransfer, EngineInfo, KVLayoutError, TransferSpec
 from lmcache.gpu_connector.layer_range import LayerRangeConnector, engine_selector, moved_tokens
 
 if TYPE_CHECKING:
