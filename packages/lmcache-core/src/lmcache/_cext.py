@@ -118,9 +118,9 @@ def sources_hash() -> str:
 
 def _arch_list() -> str:
     """``TORCH_CUDA_ARCH_LIST`` of a build: 9.0 plus the visible devices', PTX of the lowest."""
-    archs = {(9, 0)}
-    if torch.cuda.is_available():
-        archs |= {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+    from lmcache.devices.cuda import CudaBackend
+
+    archs = {(9, 0)} | CudaBackend().capabilities()
     ordered = sorted(archs)
     names = [f"{major}.{minor}" for major, minor in ordered]
     names[0] += "+PTX"
@@ -213,12 +213,18 @@ def _load_prebuilt() -> str | None:
     return str(getattr(module, "__file__", "lmcache._C"))
 
 
+def _cuda_available() -> bool:
+    from lmcache.devices import get_backend
+
+    return get_backend("cuda").is_available()
+
+
 def _jit_missing() -> list[str]:
     """What a JIT build lacks here (empty: it can be tried)."""
     missing = []
     if torch.version.cuda is None:
         missing.append(f"torch {torch.__version__} is not a CUDA build")
-    elif not torch.cuda.is_available():
+    elif not _cuda_available():
         missing.append("no CUDA device is visible")
     try:
         from torch.utils import cpp_extension

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lmcache.config import LMCacheConfig
+from lmcache.devices import registry as device_registry
 from lmcache.gpu_connector import gpu_ops
 from lmcache.gpu_connector.gpu_ops import (
     HostDeviceOps,
@@ -158,8 +159,8 @@ def test_device_plugin_entry_point_loaded_on_first_use(
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "lmc_fake_dev", raising=False)
-    monkeypatch.setattr(gpu_ops, "_OPS", dict(gpu_ops._OPS))
-    monkeypatch.setattr(gpu_ops, "_PLUGINS_TRIED", set())
+    monkeypatch.setattr(device_registry, "_BACKENDS", dict(device_registry._BACKENDS))
+    monkeypatch.setattr(device_registry, "_PLUGINS_TRIED", set())
     assert "fakedev" not in gpu_ops.registered_device_types()
     assert get_device_ops("fakedev").device_type == "fakedev"
     assert "fakedev" in gpu_ops.registered_device_types()
@@ -170,6 +171,6 @@ def test_device_plugins_off_with_autoload_zero(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LMCACHE_PLUGIN_AUTOLOAD", "0")
-    monkeypatch.setattr(gpu_ops, "_PLUGINS_TRIED", set())
-    with pytest.raises(ValueError, match="No host<->device ops"):
+    monkeypatch.setattr(device_registry, "_PLUGINS_TRIED", set())
+    with pytest.raises(ValueError, match="No device backend for 'fakedev2'"):
         get_device_ops("fakedev2")

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmcache.devices import DeviceBackend, get_backend
 from lmcache.gpu_connector.interface import ChunkTransfer, EngineInfo, KVLayoutError, TransferSpec
 from lmcache.gpu_connector.layer_range import LayerRangeConnector, engine_selector, moved_tokens
 
@@ -98,6 +99,7 @@ class SGLangKVConnector(LayerRangeConnector):
         ]
         first = self._layers[0][0]
         self.device: torch.device = first.device
+        self.backend: DeviceBackend = get_backend(self.device)  # streams, events, syncs
         self.num_slots: int = self._slots_of(first)
         for i, parts in enumerate(self._layers):
             for t in parts:

@@ -32,6 +32,7 @@ import torch
 
 from lmcache.cache_engine import LayerwiseRetrieve, LMCacheEngine
 from lmcache.config import LMCacheConfig
+from lmcache.devices import get_backend
 from lmcache.gpu_connector import CreateGPUConnector
 from lmcache.gpu_connector.interface import EngineInfo, KVLayoutError, TransferSpec
 from lmcache.held_hit import HeldHit
@@ -347,8 +348,8 @@ class LMCacheLayerwiseConnector:
             n = int(md.kv_indices.numel())
             tokens = self._tokens(md.token_ids, n)
             transfer = TransferSpec(md.kv_indices.to(torch.int64))
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
+            backend = get_backend(self.device)
+            backend.stream_synchronize(backend.current_stream(self.device))  # the KV is written
             return self.engine.store(tokens, None, transfer)
         except Exception as exc:
             logger.warning("lmcache store failed (%r); skipped.", exc)

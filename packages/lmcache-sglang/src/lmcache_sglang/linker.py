@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from lmcache.devices import get_backend
 from lmcache.gpu_connector import CreateGPUConnector
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 from lmcache.metrics import LMCacheMetrics
@@ -155,6 +156,8 @@ class LMCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is unty
         self.store = build_page_store(server_args, params, extra_config, hook="linker_extra_config")
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         self.pools: dict[Any, object] = {PoolName.KV: kvcache}
+        # the pool's device backend: offloads wait for the forward's events where it has streams
+        self._backend = get_backend(str(getattr(kvcache, "device", "cpu")))
         self.num_layers = self.store.metadata.num_layers
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
         self._queued: dict[str, _QueuedLoad] = {}
@@ -312,7 +315,7 @@ class LMCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is unty
             slots = kv.device_indices.to("cpu", torch.int64)
             if slots.numel() != len(keys) * self.page_size:
                 return False
-            ready = self.record_offload_ready() if torch.cuda.is_available() else []
+            ready = self.record_offload_ready() if self._backend.has_streams else []
             self._offload_queue.put((keys, slots, ready))
             return True
         except Exception as exc:

@@ -43,6 +43,7 @@ import yaml
 
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.config import CONFIG_FILE_ENV, ENV_PREFIX, ConfigError, LMCacheConfig, load_config
+from lmcache.devices import get_backend
 from lmcache.gpu_connector import CreateGPUConnector
 from lmcache.gpu_connector.interface import TransferSpec
 from lmcache.metrics import LMCacheMetrics
@@ -376,8 +377,8 @@ class UnifiedLMCacheMPConnector:
         transfer = TransferSpec(
             self._slot_mapping(len(tokens), start, device_indices).to(self.device)
         )
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        backend = get_backend(self.device)
+        backend.stream_synchronize(backend.current_stream(self.device))  # the KV is written
         engine = self.engine
 
         def run() -> int:

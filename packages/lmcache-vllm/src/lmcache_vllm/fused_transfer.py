@@ -8,7 +8,9 @@ chunks. Every transfer moves all chunks of a request at once, through one *chunk
 buffer (on the device when ``config.gpu_staging_buffer``): chunk ``c``'s ``[num_layers, tokens,
 kv_width]`` block is contiguous there, so each chunk (or each run of chunks whose host buffers lie
 back to back in one pool slab) moves in one copy-engine DMA; the same part of several chunks at a
-constant step (a layer group of each chunk) moves in one strided ``cudaMemcpy2DAsync``. Slot
+constant step (a layer group of each chunk) moves in one strided 2D copy (``cudaMemcpy2DAsync``),
+and the one-row copies of a piece go in one batched call (``cudaMemcpyBatchAsync`` where the
+runtime has it), all through the connector's device backend (:mod:`lmcache.devices`). Slot
 indices are built once per call, on the host when the slot mapping is on the host (the adapter's
 case: no device sync at all; they go to the device through a persistent pinned buffer),
 otherwise on the device.
@@ -33,6 +35,7 @@ from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 from lmcache_vllm.kv_formats import describe
 
 if TYPE_CHECKING:
+    from lmcache.devices import DeviceBackend
     from lmcache.metadata import LMCacheMetadata
 
 __all__ = ["FusedTransfer", "Prefetched", "fuse_layers"]
@@ -171,95 +174,6 @@ class _Run:
         return True
 
 
-_CUDART: Any = None
-_CUDART_LOADED = False
-
-
-def _cudart() -> Any:
-    """The CUDA runtime library torch loaded (ctypes), for ``cudaMemcpy2DAsync`` and
-    ``cudaMemcpyAsync``; ``None`` when it cannot be found (strided runs then copy row by row,
-    plain runs through torch)."""
-    global _CUDART, _CUDART_LOADED
-    if _CUDART_LOADED:
-        return _CUDART
-    _CUDART_LOADED = True
-    import ctypes
-    import os
-
-    candidates = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rsplit(None, 1)[-1] if "/" in line else ""
-                if os.path.basename(path).startswith("libcudart.so") and path not in candidates:
-                    candidates.append(path)
-    except OSError:
-        pass
-    candidates += ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
-    for name in candidates:
-        try:
-            lib = ctypes.CDLL(name)
-            fn = lib.cudaMemcpy2DAsync
-        except (OSError, AttributeError):
-            continue
-        ptr, size = ctypes.c_void_p, ctypes.c_size_t
-        fn.argtypes = [ptr, size, ptr, size, size, size, ctypes.c_int, ptr]  # .., kind, stream
-        fn.restype = ctypes.c_int
-        lib.cudaMemcpyAsync.argtypes = [ptr, ptr, size, ctypes.c_int, ptr]  # dst, src, n, ..
-        lib.cudaMemcpyAsync.restype = ctypes.c_int
-        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
-        lib.cudaGetErrorString.restype = ctypes.c_char_p
-        _CUDART = lib
-        break
-    else:
-        logger.info("lmcache: libcudart not found; strided host copies go row by row")
-    return _CUDART
-
-
-def _memcpy_2d(run: _Run, dev: torch.Tensor, to_host: bool, stream: Any) -> bool:
-    """Move a strided ``run`` with one ``cudaMemcpy2DAsync`` on ``stream``; ``False`` when the
-    runtime is not available (the caller copies row by row).
-
-    Raises:
-        RuntimeError: the runtime refused the copy (its error string).
-    """
-    lib = _cudart()
-    if lib is None:
-        return False
-    host = (run.host.data_ptr(), run.host_pitch)
-    device = (dev.data_ptr(), run.dev_pitch)
-    dst, src, kind = (host, device, 2) if to_host else (device, host, 1)  # cudaMemcpyKind
-    err = lib.cudaMemcpy2DAsync(*dst, *src, run.nbytes, run.rows, kind, stream.cuda_stream)
-    _check_cuda(lib, err, f"cudaMemcpy2DAsync of {run.rows} rows of {run.nbytes} bytes")
-    return True
-
-
-def _check_cuda(lib: Any, err: int, what: str) -> None:
-    """Raise ``RuntimeError`` with the runtime's own message when ``err`` is not success."""
-    if err != 0:
-        message = lib.cudaGetErrorString(err).decode(errors="replace")
-        raise RuntimeError(f"lmcache: {what} failed: {message}")
-
-
-def _memcpy_1d(run: _Run, dev: int, to_host: bool, stream: Any) -> bool:
-    """Move a contiguous one-row ``run`` (from/to device address ``dev``) with one
-    ``cudaMemcpyAsync`` on ``stream``: a few microseconds of host time, where a torch
-    ``copy_`` costs several times that (a 16k-token save is 64 such copies); ``False`` when the
-    runtime is not available (the caller copies through torch).
-
-    Raises:
-        RuntimeError: the runtime refused the copy (its error string).
-    """
-    lib = _cudart()
-    if lib is None:
-        return False
-    host = run.host.data_ptr()
-    dst, src, kind = (host, dev, 2) if to_host else (dev, host, 1)  # cudaMemcpyKind
-    err = lib.cudaMemcpyAsync(dst, src, run.nbytes, kind, stream.cuda_stream)
-    _check_cuda(lib, err, f"cudaMemcpyAsync of {run.nbytes} bytes")
-    return True
-
-
 @dataclass
 class _Plan:
     """Where the chunks of one call lie in the chunk-major staging buffer, and what moves.
@@ -365,8 +279,9 @@ class _PreparedFrom:
 class FusedTransfer:
     """Mixin: the fused all-layer path (see the module docstring).
 
-    The host class sets ``metadata``, ``_caches``, ``block_size``, ``num_blocks``, ``device``
-    and provides ``_check_slots``, ``_stream_ctx`` and ``_sync``; it calls
+    The host class sets ``metadata``, ``_caches``, ``block_size``, ``num_blocks``, ``device``,
+    ``backend`` (the device backend: every stream, event, pinned buffer and host copy goes
+    through it) and provides ``_check_slots``, ``_stream_ctx`` and ``_sync``; it calls
     :meth:`_init_fused` before :meth:`_setup_fused`.
     """
 
@@ -376,6 +291,7 @@ class FusedTransfer:
     block_size: int
     num_blocks: int
     device: torch.device
+    backend: DeviceBackend
     _last_stream: Any
 
     pipeline_bytes: int = 64 << 20
@@ -481,7 +397,7 @@ class FusedTransfer:
         """Target bytes per piece on CUDA (0: one piece): about four pieces a call, each at
         most ``pipeline_bytes`` and at least ``min_piece_bytes`` (capped by the former)."""
         cap = self.pipeline_bytes
-        if self.device.type != "cuda" or cap <= 0:
+        if not self.backend.has_streams or cap <= 0:
             return 0
         return max(min(self.min_piece_bytes, cap), min(cap, total_bytes // 4))
 
@@ -616,7 +532,7 @@ class FusedTransfer:
         if slots.device.type == "cpu" or self.device.type == "cpu":
             slots = slots.to("cpu", torch.int64)
             self._check_slots(slots if kept_pos is None else slots[kept_pos], token_ids)
-            if self.device.type != "cuda":
+            if not self.backend.has_streams:
                 idx = torch.empty((rows, plan.total), dtype=torch.int64)
                 self._fill_indices(idx, slots)
                 return idx, lambda: None
@@ -625,18 +541,16 @@ class FusedTransfer:
                 idx = slot[0][: rows * plan.total].view(rows, plan.total)
                 self._fill_indices(idx, slots)
                 on_dev = idx.to(self.device, non_blocking=True)
-                slot[1] = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                slot[1].record()
+                slot[1] = self.backend.event_after(self.backend.current_stream(self.device))
             return on_dev, lambda: None
         slots = slots.to(self.device, torch.int64)
         on_dev = kept_pos.to(self.device) if isinstance(kept_pos, torch.Tensor) else kept_pos
         kept = slots if on_dev is None else slots[on_dev]
         if self._pinned_lo_hi is None:
-            self._pinned_lo_hi = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            self._pinned_lo_hi = self._pinned_int64(2)
         lo_hi = self._pinned_lo_hi  # read back within this call (check), so reuse is safe
         lo_hi.copy_(torch.stack(torch.aminmax(kept)), non_blocking=True)
-        answered = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        answered.record()
+        answered = self.backend.event_after(self.backend.current_stream(self.device))
         slots = slots.clamp(0, limit - 1)
         if rows == 1:
             idx = slots.view(1, -1)
@@ -645,7 +559,7 @@ class FusedTransfer:
             idx = torch.stack((blocks, slots - blocks * bs))
 
         def check() -> None:
-            answered.synchronize()
+            self.backend.event_synchronize(answered)
             lo, hi = lo_hi.tolist()
             if lo < 0 or hi >= limit:  # find the culprits on the host (error path only)
                 host = transfer.slot_mapping.to("cpu", torch.int64)[token_ids()]
@@ -675,24 +589,28 @@ class FusedTransfer:
         """
         ring = self._pinned_idx
         for slot in ring:
-            if slot[1] is None or slot[1].query():
+            if slot[1] is None or self.backend.event_query(slot[1]):
                 if slot[0].numel() < numel:
                     size = max(numel, 2 * slot[0].numel())
-                    slot[0] = torch.empty(size, dtype=torch.int64, pin_memory=True)
+                    slot[0] = self._pinned_int64(size)
                 slot[1] = None
                 ring.remove(slot)
                 ring.append(slot)  # most recently used last: the first busy one is the oldest
                 return slot
         if len(ring) >= self.pinned_ring:
             slot = ring.pop(0)
-            slot[1].synchronize()
+            self.backend.event_synchronize(slot[1])
             if slot[0].numel() < numel:
-                slot[0] = torch.empty(numel, dtype=torch.int64, pin_memory=True)
+                slot[0] = self._pinned_int64(numel)
         else:
-            slot = [torch.empty(max(numel, 1 << 12), dtype=torch.int64, pin_memory=True), None]
+            slot = [self._pinned_int64(max(numel, 1 << 12)), None]
         slot[1] = None
         ring.append(slot)
         return slot
+
+    def _pinned_int64(self, numel: int) -> torch.Tensor:
+        """``[numel]`` int64 of page-locked host memory (the backend's, exact size)."""
+        return self.backend.pinned_empty(numel * 8).view(torch.int64)
 
     def _op_views(
         self, plan: _Plan, staging: torch.Tensor, layers: range, idx: torch.Tensor, op: _Op
@@ -795,41 +713,42 @@ class FusedTransfer:
     def _copy_runs(
         self, plan: _Plan, staging: torch.Tensor, to_host: bool, piece: int = -1
     ) -> None:
-        stream = None
-        if self.device.type == "cuda" and staging.is_cuda:
-            stream = torch.cuda.current_stream(self.device)
-        base = staging.data_ptr()
+        """Enqueue the host copies of ``plan`` (of ``piece``; all when ``piece < 0``) on the
+        current stream: the contiguous one-row runs in one batched copy, strided runs as 2D
+        copies, non-contiguous host tensors through a view of their shape."""
+        backend = self.backend
+        stream = backend.current_stream(self.device)
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
         for r in plan.runs:
             if piece >= 0 and r.piece != piece:
                 continue
             if r.rows > 1:
-                self._copy_2d(r, staging, to_host)
-                continue
-            if stream is not None and r.contiguous and _memcpy_1d(r, base + r.lo, to_host, stream):
+                self._copy_2d(r, staging, to_host, stream)
                 continue
             dev = staging[r.lo : r.lo + r.nbytes]
             host = r.host_view()
             if not r.contiguous:
                 dev = dev.view(self.dtype).view(host.shape)
-            if to_host:
-                host.copy_(dev, non_blocking=True)
-            else:
-                dev.copy_(host, non_blocking=True)
+                if to_host:
+                    backend.copy(host, dev, stream)
+                else:
+                    backend.copy(dev, host, stream)
+                continue
+            dsts.append(host if to_host else dev)
+            srcs.append(dev if to_host else host)
+        if dsts:
+            backend.copy_batch(dsts, srcs, stream)
 
-    def _copy_2d(self, r: _Run, staging: torch.Tensor, to_host: bool) -> None:
-        """A strided run: one 2D DMA on CUDA, else (or without the runtime) row by row."""
-        if self.device.type == "cuda" and staging.is_cuda:
-            stream = torch.cuda.current_stream(self.device)
-            if _memcpy_2d(r, staging[r.lo :], to_host, stream):
-                return
-        for i, host in enumerate(r.row_hosts):
-            lo = r.lo + i * r.dev_pitch
-            dev = staging[lo : lo + r.nbytes]
-            flat = host.reshape(-1).view(torch.uint8)
-            if to_host:
-                flat.copy_(dev, non_blocking=True)
-            else:
-                dev.copy_(flat, non_blocking=True)
+    def _copy_2d(self, r: _Run, staging: torch.Tensor, to_host: bool, stream: Any) -> None:
+        """A strided run: ``r.rows`` rows of ``r.nbytes``, one 2D copy (row by row where the
+        device has none)."""
+        host = r.host.reshape(-1).view(torch.uint8)  # starts at row 0; all rows in its storage
+        dev = staging[r.lo :]
+        if to_host:
+            self.backend.copy_2d(host, r.host_pitch, dev, r.dev_pitch, r.nbytes, r.rows, stream)
+        else:
+            self.backend.copy_2d(dev, r.dev_pitch, host, r.host_pitch, r.nbytes, r.rows, stream)
 
     _staging_oom_logged = False
 
@@ -843,7 +762,7 @@ class FusedTransfer:
         if plan.pieces <= 1:
             return None
         if self._copy_stream_obj is None:
-            self._copy_stream_obj = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            self._copy_stream_obj = self.backend.new_stream(self.device)
         return self._copy_stream_obj
 
     def _store_pieces(self, transfer: TransferSpec) -> int:
@@ -851,7 +770,7 @@ class FusedTransfer:
         piece, one gather and its DMAs with no side-stream hops (fewer launches on the save
         thread); else the default pipelining (:meth:`_piece_bytes`)."""
         deferred = transfer.deferred and transfer.stream is not None
-        return 0 if deferred and self.device.type == "cuda" else -1
+        return 0 if deferred and self.backend.has_streams else -1
 
     def _fused_prepare(
         self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
@@ -859,15 +778,14 @@ class FusedTransfer:
         """The host side of a later all-layer :meth:`_fused_from` of ``chunks``, done ahead:
         the plan, and the slot indices uploaded on ``transfer.stream`` (CUDA, and a slot
         mapping on the host: a device one is checked through a buffer each call reuses)."""
-        if self.device.type != "cuda" or transfer.slot_mapping.device.type != "cpu":
+        if not self.backend.has_streams or transfer.slot_mapping.device.type != "cpu":
             return None
         self.check_chunks(chunks, transfer)  # type: ignore[attr-defined]
         layers = range(self.num_layers)
         plan = self._plan(layers, chunks, 0, self._store_pieces(transfer))
         with self._stream_ctx(transfer):
             idx, check = self._fused_indices(plan, transfer)
-            uploaded = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            uploaded.record()
+            uploaded = self.backend.event_after(self.backend.current_stream(self.device))
         return _PreparedFrom(layers, chunks, transfer.slot_mapping, plan, idx, check, uploaded)
 
     def _checked_ahead(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> bool:
@@ -883,7 +801,8 @@ class FusedTransfer:
     def _fused_from(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
     ) -> None:
-        deferred = transfer.deferred and transfer.stream is not None and self.device.type == "cuda"
+        backend = self.backend
+        deferred = transfer.deferred and transfer.stream is not None and backend.has_streams
         try:
             prep = transfer.prepared
             if not isinstance(prep, _PreparedFrom):
@@ -899,7 +818,7 @@ class FusedTransfer:
                     idx, check = self._fused_indices(plan, transfer)
                 else:
                     idx, check = prep.idx, prep.check
-                    torch.cuda.current_stream(self.device).wait_event(prep.uploaded)
+                    backend.wait_event(backend.current_stream(self.device), prep.uploaded)
                 staging = torch.empty(
                     plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
                 )
@@ -910,15 +829,15 @@ class FusedTransfer:
                         transfer.on_engine_read()
                     self._copy_runs(plan, staging, to_host=True)
                 else:  # gather piece i + 1 while piece i goes to the host
-                    main = torch.cuda.current_stream(self.device)
+                    main = backend.current_stream(self.device)
                     for piece in range(plan.pieces):
                         self._gather(plan, staging, layers, idx, piece)
-                        copy.wait_stream(main)
-                        with torch.cuda.stream(copy):
+                        backend.wait_stream(copy, main)
+                        with backend.use_stream(copy):
                             self._copy_runs(plan, staging, to_host=True, piece=piece)
                     if transfer.on_engine_read is not None:
                         transfer.on_engine_read()  # every gather is on main now
-                    main.wait_stream(copy)
+                    backend.wait_stream(main, copy)
             if not deferred:
                 self._sync(transfer)
             check()
@@ -940,7 +859,8 @@ class FusedTransfer:
         The chunks' host buffers must not change until the returned event completes (leased
         chunks never do).
         """
-        if self.device.type != "cuda" or not self._fused_any or not chunks:
+        backend = self.backend
+        if not backend.has_streams or not self._fused_any or not chunks:
             return None
         full = range(self.num_layers)
         plan = self._plan(full, chunks, 0, piece_bytes=0)
@@ -952,7 +872,7 @@ class FusedTransfer:
             and all(x.stop == y.start for x, y in itertools.pairwise(groups))
         )
         layer_events: list[tuple[int, Any]] = []
-        with torch.cuda.stream(stream):
+        with backend.use_stream(stream):
             staging = torch.empty(
                 plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
             )
@@ -971,11 +891,11 @@ class FusedTransfer:
                         )
                         pos += n
                     self._copy_runs(runs, staging, to_host=False, piece=piece)
-                    layer_events.append((group.stop, stream.record_event()))
+                    layer_events.append((group.stop, backend.event_after(stream)))
                 event = layer_events[-1][1]
             else:
                 self._copy_runs(plan, staging, to_host=False)
-                event = stream.record_event()
+                event = backend.event_after(stream)
         offsets, pos = [], 0
         for start, end, _ in plan.staged:
             offsets.append(pos * plan.row_bytes)
@@ -988,7 +908,8 @@ class FusedTransfer:
         """Scatter ``layers`` from ``transfer.staged`` when it covers the chunks (waiting only
         for the copy of those layers); ``False``: not used."""
         pre = transfer.staged
-        if not isinstance(pre, Prefetched) or self.device.type != "cuda":
+        backend = self.backend
+        if not isinstance(pre, Prefetched) or not backend.has_streams:
             return False
         full = range(self.num_layers)
         key = [(c.start, c.end, c.buffer.data_ptr()) for c in chunks]
@@ -1005,10 +926,10 @@ class FusedTransfer:
                 idx, check = self._fused_indices(plan, transfer)
                 check()
                 pre.scatter_plan = (transfer, key, plan, base, idx)
-            main = torch.cuda.current_stream(self.device)
-            main.wait_event(pre.event_for(layers.stop))
+            main = backend.current_stream(self.device)
+            backend.wait_event(main, pre.event_for(layers.stop))
             if main != pre.stream:
-                pre.staging.record_stream(main)
+                backend.record_stream(pre.staging, main)
             self._scatter(plan, pre.staging[base:], full, idx, -1, only=layers)
         self._last_stream = transfer.stream
         return True
@@ -1046,15 +967,16 @@ class FusedTransfer:
                 check()
                 self._scatter(plan, staging, layers, idx, -1)
             else:  # scatter piece i while piece i + 1 comes from the host
-                main = torch.cuda.current_stream(self.device)
-                copy.wait_stream(main)  # staging's memory may have been in use on main
+                backend = self.backend
+                main = backend.current_stream(self.device)
+                backend.wait_stream(copy, main)  # staging's memory may have been in use on main
                 done = []
-                with torch.cuda.stream(copy):
+                with backend.use_stream(copy):
                     for piece in range(plan.pieces):
                         self._copy_runs(plan, staging, to_host=False, piece=piece)
-                        done.append(copy.record_event())
+                        done.append(backend.event_after(copy))
                 check()
                 for piece in range(plan.pieces):
-                    main.wait_event(done[piece])
+                    backend.wait_event(main, done[piece])
                     self._scatter(plan, staging, layers, idx, piece)
         self._last_stream = transfer.stream

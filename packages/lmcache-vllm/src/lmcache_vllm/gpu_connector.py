@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmcache.devices import DeviceBackend, get_backend
 from lmcache.gpu_connector.interface import ChunkTransfer, EngineInfo, KVLayoutError, TransferSpec
 from lmcache.gpu_connector.layer_range import LayerRangeConnector, engine_selector, moved_tokens
 from lmcache_vllm.cpu_block_transfer import KtVBlockTransfer
@@ -130,6 +131,9 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, LayerRangeConnector):
             )
         self.num_blocks: int = int(self._caches[0].shape[0])
         self.device = first.device
+        # The one place the device is resolved: every stream, event, pinned buffer and host
+        # copy of this connector goes through this backend.
+        self.backend: DeviceBackend = get_backend(self.device)
         self._use_staging = bool(getattr(config, "gpu_staging_buffer", True))
         self._init_fused()
         # cpu_kt_v on a CPU engine: the block path (cpu_block_transfer), no staging.
@@ -251,11 +255,10 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, LayerRangeConnector):
         """Wait for the transfer's stream, asleep (a blocking-sync event): the caller may be
         a save thread waiting through a whole forward, which must not spin a core that the
         engine's own thread could be sharing."""
-        if self.device.type == "cuda":
-            stream = transfer.stream or torch.cuda.current_stream(self.device)
-            done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-            done.record(stream)
-            done.synchronize()
+        backend = self.backend
+        if backend.has_streams:
+            stream = transfer.stream or backend.current_stream(self.device)
+            backend.event_synchronize(backend.event_after(stream, blocking=True))
 
     # -- transfers: LayerRangeConnector runs from_gpu, to_gpu and the layerwise methods --------
     # (to_gpu_layers: one _to over the range, one strided op and merged DMAs on the fused path)

@@ -40,13 +40,22 @@ def get_vllm_torch_dev() -> tuple[str, Any]:
     except ImportError:
         kind = None
     if kind is None:
-        if torch.cuda.is_available():
-            kind = "cuda"
-        elif hasattr(torch, "xpu") and torch.xpu.is_available():
-            kind = "xpu"
-        else:
-            kind = "cpu"
+        kind = _available_device_type()
     return kind, getattr(torch, kind)
+
+
+def _available_device_type() -> str:
+    """``"cuda"`` or ``"xpu"`` when its device backend sees a device (an XPU backend only
+    when its package is installed), else ``"cpu"``."""
+    from lmcache.devices import get_backend
+
+    for kind in ("cuda", "xpu"):
+        try:
+            if get_backend(kind).is_available():
+                return kind
+        except ValueError:  # no backend for it (device package not installed)
+            continue
+    return "cpu"
 
 
 def calculate_local_rank_and_world_size(vllm_config: Any) -> tuple[int, int]:

@@ -38,7 +38,6 @@ connector state it shares with a load, the pinned slot-index ring, has a lock of
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -52,6 +51,7 @@ import torch
 
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.config import LMCacheConfig
+from lmcache.devices import DeviceBackend, get_backend
 from lmcache.gpu_connector import ChunkTransfer, TransferSpec
 from lmcache_vllm.connector_metadata import (
     ENGINE_COUNTERS,
@@ -155,6 +155,7 @@ class WorkerSide:
         self._stats_lock = threading.Lock()
         self._xfer_lock = threading.Lock()
         self._layerwise: LayerwiseStep | None = None  # built with the caches (device)
+        self._backend: DeviceBackend = get_backend("cpu")  # the caches' device, once registered
         self._async_loads = False  # CUDA: batched loads are enqueued, not waited for
         self._prefetching = 0  # bytes of device copies of hits made ahead of their load
         self._bound: Any = None  # the metadata bind() last ran for
@@ -191,11 +192,13 @@ class WorkerSide:
         first = caches[0]
         self.lmcache_engine = engine
         self._registered = caches
+        # the device backend of the caches: the worker's streams and events go through it
+        self._backend = get_backend(first.device)
         self._layerwise = LayerwiseStep(
-            self._xfer_lock, self._saves, first.device, self._fail_whole_load
+            self._xfer_lock, self._saves, first.device, self._fail_whole_load, self._backend
         )
         self._layer_ids = {n: i for i, n in enumerate(names)}
-        self._async_loads = first.is_cuda
+        self._async_loads = self._backend.has_streams
         if self._on_engine is not None:
             self._on_engine(engine)
         self._lookup_server = LookupServer(self.engine_key, self.rank, self._lookup, self._clear)
@@ -358,12 +361,13 @@ class WorkerSide:
         if not events or not self._registered:
             return
         device = self._registered[0].device
-        streams = [torch.cuda.current_stream(device)]
+        backend = self._backend
+        streams = [backend.current_stream(device)]
         if self._layerwise is not None and self._layerwise.load_stream is not None:
             streams.append(self._layerwise.load_stream)
         for event in events:
             for stream in streams:
-                stream.wait_event(event)
+                backend.wait_event(stream, event)
 
     def _slot_mapping(self, req: ReqMeta, num_tokens: int) -> torch.Tensor:
         return slot_mapping(req.block_ids, self.block_size, num_tokens)
@@ -556,8 +560,8 @@ class WorkerSide:
             if stream is None
             else TransferSpec(empty, stream=stream, deferred=True)
         )
-        ctx = contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
-        with ctx:  # device work of the planning (index uploads) goes where the copy will
+        # device work of the planning (index uploads) goes where the copy will
+        with self._backend.use_stream(stream):
             for save in step.saves:
                 req = save.req
                 assert req.save is not None
@@ -587,7 +591,7 @@ class WorkerSide:
 
     def _store_stream(self) -> Any:
         """The worker's one store stream (CUDA caches), else ``None``."""
-        if self._layerwise is None or not self._registered or not self._registered[0].is_cuda:
+        if self._layerwise is None or not self._registered or not self._backend.has_streams:
             return None
         return self._layerwise.store_stream
 
@@ -629,9 +633,8 @@ class WorkerSide:
 
     def _forward_event(self) -> Any:
         """A CUDA event on vLLM's stream after the forward enqueued so far."""
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(self._registered[0].device))
-        return event
+        backend = self._backend
+        return backend.event_after(backend.current_stream(self._registered[0].device))
 
     def _save_job(self, step: _StepSaves, ready: Any, fence: ReadFence) -> CopyJob:
         """The copy job of a step's planned saves (on CUDA it releases ``fence`` once vLLM's
@@ -650,19 +653,17 @@ class WorkerSide:
                         staged = batch.copy_out(spec)
                     else:
                         stream = spec.stream
-                        stream.wait_event(ready)  # after the step that wrote this KV
+                        backend = self._backend
+                        backend.wait_event(stream, ready)  # after the step that wrote this KV
 
                         def _read() -> None:  # the gather is enqueued: pages may change after
-                            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                            event.record(stream)
-                            fence.release(event)
+                            fence.release(backend.event_after(stream))
 
-                        with torch.cuda.stream(stream):
+                        with backend.use_stream(stream):
                             staged = batch.copy_out(dataclasses.replace(spec, on_engine_read=_read))
                             # blocking: the commit thread sleeps on it (a spinning wait
                             # would poll the driver, and burn a core, for a whole forward)
-                            copied = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-                            copied.record(stream)
+                            copied = backend.event_after(stream, blocking=True)
                         fence.release(copied)  # no-op when _read ran
             except BaseException:
                 for save in live:
@@ -672,7 +673,7 @@ class WorkerSide:
             def _commit() -> None:
                 try:
                     if copied is not None:
-                        copied.synchronize()  # the bytes are on the host
+                        self._backend.event_synchronize(copied)  # the bytes are on the host
                         self._saves.gate.wait()  # publish while vLLM's thread waits on the GPU
                 except BaseException:
                     for st in staged:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmcache.devices import DeviceBackend, get_backend
 from lmcache.gpu_connector import TransferSpec
 from lmcache_vllm.connector_metadata import ReqMeta
 from lmcache_vllm.save_queue import CommitJob, ReadFence, SaveQueue
@@ -106,10 +107,12 @@ class LayerwiseStep:
         saves: SaveQueue,
         device: torch.device,
         on_load_failed: Callable[[ReqMeta], None],
+        backend: DeviceBackend | None = None,
     ) -> None:
         self._lock = xfer_lock
         self._saves = saves
-        self._cuda = device.type == "cuda"
+        self._backend = get_backend(device) if backend is None else backend
+        self._cuda = self._backend.has_streams  # streams: asynchronous copies and events
         self._device = device
         self._on_load_failed = on_load_failed
         self._loads: list[tuple[ReqMeta, LayerwiseRetrieve, HeldHit | None]] = []
@@ -120,9 +123,9 @@ class LayerwiseStep:
         self.copy_stream: Any = None  # host -> device copies of hits ahead of their scatter
         self.store_stream: Any = None
         if self._cuda:
-            self.load_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            self.copy_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            self.store_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            self.load_stream = self._backend.new_stream(device)
+            self.copy_stream = self._backend.new_stream(device)
+            self.store_stream = self._backend.new_stream(device)
 
     # ------------------------------------------------------------------ loads
 
@@ -140,18 +143,14 @@ class LayerwiseStep:
             return
         self._loads += loads
         if self._cuda:  # after everything queued so far (earlier steps may still read pages)
-            self.load_stream.wait_stream(torch.cuda.current_stream(self._device))
+            self._backend.wait_stream(self.load_stream, self._backend.current_stream(self._device))
         groups = [range(num_layers)] if whole else layer_groups(num_layers)
         for group in groups:
             for item in list(self._loads):
                 req, retriever, held = item
                 try:
-                    with self._lock:
-                        if self._cuda:
-                            with torch.cuda.stream(self.load_stream):
-                                retriever.load_layers(group.stop)
-                        else:
-                            retriever.load_layers(group.stop)
+                    with self._lock, self._backend.use_stream(self.load_stream):
+                        retriever.load_layers(group.stop)
                 except Exception:
                     logger.exception("lmcache: layerwise load of %s failed", req.req_id)
                     self._loads.remove(item)
@@ -159,8 +158,7 @@ class LayerwiseStep:
                         held.release()
                     self._on_load_failed(req)
             if self._cuda:
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(self.load_stream)
+                event = self._backend.event_after(self.load_stream)
                 for layer in group:
                     self._layer_ready[layer] = event
 
@@ -168,13 +166,13 @@ class LayerwiseStep:
             loaded: Any = self._layer_ready.get(0)
             self._layer_ready.clear()
             if loaded is not None:
-                torch.cuda.current_stream(self._device).wait_event(loaded)
+                self._backend.wait_event(self._backend.current_stream(self._device), loaded)
 
     def wait_layer(self, layer: int) -> None:
         """Order the forward's use of ``layer`` after its loads (a device-side wait)."""
         event = self._layer_ready.pop(layer, None)
         if event is not None:
-            torch.cuda.current_stream(self._device).wait_event(event)
+            self._backend.wait_event(self._backend.current_stream(self._device), event)
 
     # ------------------------------------------------------------------ saves
 
@@ -189,8 +187,7 @@ class LayerwiseStep:
             return
         ready = None
         if self._cuda:
-            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ready.record(torch.cuda.current_stream(self._device))
+            ready = self._backend.event_after(self._backend.current_stream(self._device))
         for save in self._saving:
             fence = ReadFence()
             self._saves.submit(save.req.req_id, self._copy_job(save, layer, ready, fence), fence)
@@ -201,13 +198,12 @@ class LayerwiseStep:
         if not self._cuda:
             return TransferSpec(save.slots)
         stream = self.store_stream
+        backend = self._backend
 
         def _read() -> None:
             fence = save.fence
             if fence is not None:
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(stream)
-                fence.release(event)
+                fence.release(backend.event_after(stream))
 
         return TransferSpec(save.slots, stream=stream, deferred=True, on_engine_read=_read)
 
@@ -225,12 +221,11 @@ class LayerwiseStep:
                     if ready is None:
                         storer.store_layer(layer)
                     else:
-                        self.store_stream.wait_event(ready)
+                        self._backend.wait_event(self.store_stream, ready)
                         save.fence = fence
-                        with torch.cuda.stream(self.store_stream):
+                        with self._backend.use_stream(self.store_stream):
                             storer.store_layer(layer)
-                            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                            done.record(self.store_stream)
+                            done = self._backend.event_after(self.store_stream)
                         fence.release(done)  # no-op when the gather released it
             except BaseException:
                 save.failed = True
@@ -244,7 +239,7 @@ class LayerwiseStep:
         """Release ``save``'s buffers once no queued copy writes them any more."""
         if save.storer is not None:
             if self._cuda:
-                self.store_stream.synchronize()
+                self._backend.stream_synchronize(self.store_stream)
             save.storer.abort()
 
     def _commit_job(self, save: PendingSave) -> Callable[[], CommitJob | None]:
@@ -256,14 +251,13 @@ class LayerwiseStep:
                 return None
             copied: Any = None
             if self._cuda:  # after the last layer's copy to the host; the commit sleeps on it
-                copied = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-                copied.record(self.store_stream)
+                copied = self._backend.event_after(self.store_stream, blocking=True)
 
             def _commit() -> None:
                 try:
                     if copied is not None:
                         try:
-                            copied.synchronize()
+                            self._backend.event_synchronize(copied)
                         except BaseException:
                             storer.abort()
                             raise
@@ -286,7 +280,9 @@ class LayerwiseStep:
         self._saving = []
         self.saves_started = False
         if self._loads and self._cuda:
-            self.load_stream.synchronize()  # before the leases go: no copy reads a freed buffer
+            self._backend.stream_synchronize(
+                self.load_stream
+            )  # before the leases go: no copy reads a freed buffer
         for req, retriever, held in self._loads:
             try:
                 with self._lock:

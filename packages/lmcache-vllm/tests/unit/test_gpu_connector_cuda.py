@@ -228,15 +228,19 @@ def test_prefetched_chunks_load_like_host_chunks(alloc, monkeypatch):
     # copied in layer groups: each layer range scatters after its own group's copy; a group of
     # the three equal chunks (back to back in the pool) is one strided DMA, the short last
     # chunk its own copy
-    from lmcache_vllm import fused_transfer
+    from lmcache.devices.cuda import cudart
 
-    assert fused_transfer._cudart() is not None  # else strided runs would go row by row
+    assert cudart() is not None  # else strided runs would go row by row
     strided = []
-    real_2d = fused_transfer._memcpy_2d
+    backend_type = type(src.backend)
+    real_2d = backend_type.copy_2d
     monkeypatch.setattr(
-        fused_transfer,
-        "_memcpy_2d",
-        lambda run, *a: (strided.append(run.rows), real_2d(run, *a))[1],
+        backend_type,
+        "copy_2d",
+        lambda self, dst, dp, s, sp, w, h, *a: (
+            strided.append(h),
+            real_2d(self, dst, dp, s, sp, w, h, *a),
+        )[1],
     )
     grouped = src.prefetch(chunks, stream, [range(0, 1), range(1, L)])
     assert strided == [3, 3]

@@ -361,81 +361,73 @@ def test_chunks_at_a_constant_step_merge_into_one_strided_run():
         assert [(r.rows, r.piece) for r in grouped.runs] == [(3, 0), (3, 1)]
 
 
-def _recorded_runtime(monkeypatch, copy_fn: str):
-    """``(lib, calls)``: a stand-in CUDA runtime for ``fused_transfer._cudart`` whose
-    ``copy_fn`` records its arguments in ``calls`` and returns ``lib.rc`` (0: success; set it to
-    fail), with the runtime's error string for a failure."""
-    from types import SimpleNamespace
+def _recorded_backend(conn):
+    """Swap ``conn``'s device backend for a recording stand-in of a CUDA device (its copies
+    run at once on the CPU tensors; the real backend moves these bytes in the CUDA tests)."""
+    from lmcache.testing.recording_backend import RecordingBackend
 
-    from lmcache_vllm import fused_transfer as ft
-
-    calls: list[tuple[int, ...]] = []
-    lib = SimpleNamespace(rc=0, cudaGetErrorString=lambda rc: b"invalid argument")
-    setattr(lib, copy_fn, lambda *a: (calls.append(a), lib.rc)[1])
-    monkeypatch.setattr(ft, "_cudart", lambda: lib)
-    return lib, calls
+    rec = RecordingBackend("cuda")
+    conn.backend = rec
+    return rec
 
 
-def test_a_strided_run_is_one_runtime_call_with_both_pitches(monkeypatch):
-    """``_memcpy_2d`` hands the CUDA runtime one 2D copy per strided run: destination and source
-    with their own pitches, the row width and count, the direction and the stream; a runtime
-    error is raised with the runtime's message; without the runtime the caller goes row by row.
-    (A recorded runtime: the real one moves these bytes in the CUDA tests.)"""
-    from types import SimpleNamespace
-
-    from lmcache_vllm import fused_transfer as ft
-
+def test_a_strided_run_is_one_2d_copy_with_both_pitches():
+    """A strided run goes to the device backend as one 2D copy: destination and source with
+    their own pitches, the row width and count, on the current stream, both directions; the
+    bytes land where one copy per chunk puts them."""
     md = _md("lbnhc")
     conn = _conn("lbnhc", md, _caches("lbnhc", md, "cpu", 15), True)
     rng = [(0, 8), (8, 16), (16, 24)]
-    lib, calls = _recorded_runtime(monkeypatch, "cudaMemcpy2DAsync")
     with _buffers(conn, rng, "scattered") as bufs:
+        for i, t in enumerate(bufs):
+            t.copy_(torch.randn(t.shape).to(t.dtype) + i)
         chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, bufs, strict=True)]
         plan = conn._plan(range(LAYERS), chunks, 0, 0)
         (run,) = plan.runs
-        staging = torch.empty(plan.total * plan.row_bytes, dtype=torch.uint8)
-        stream = SimpleNamespace(cuda_stream=1234)
-        host, dev = bufs[0].data_ptr(), staging.data_ptr()
-        assert ft._memcpy_2d(run, staging, False, stream)
-        assert ft._memcpy_2d(run, staging, True, stream)
+        staging = torch.zeros(plan.total * plan.row_bytes, dtype=torch.uint8)
+        rec = _recorded_backend(conn)
+        conn._copy_runs(plan, staging, to_host=False)
+        expect = [t.clone() for t in bufs]
+        for t in bufs:
+            t.zero_()
+        conn._copy_runs(plan, staging, to_host=True)
+        assert all(torch.equal(t, e) for t, e in zip(bufs, expect, strict=True))
         width, pitch_h, pitch_d = run.nbytes, run.host_pitch, run.dev_pitch
-        assert calls == [
-            (dev, pitch_d, host, pitch_h, width, 3, 1, 1234),  # host to device
-            (host, pitch_h, dev, pitch_d, width, 3, 2, 1234),  # device to host
+        stream = rec.current_stream(conn.device)
+        assert [(c.name, c.detail) for c in rec.calls if c.name.startswith("copy")] == [
+            ("copy_2d", ((pitch_d, pitch_h, width, 3), stream)),  # host to device
+            ("copy_2d", ((pitch_h, pitch_d, width, 3), stream)),  # device to host
         ]
-        lib.rc = 1
-        with pytest.raises(RuntimeError, match=r"3 rows of \d+ bytes failed: invalid argument"):
-            ft._memcpy_2d(run, staging, False, stream)
-        monkeypatch.setattr(ft, "_cudart", lambda: None)
-        assert not ft._memcpy_2d(run, staging, False, stream)
 
 
-def test_a_plain_run_is_one_runtime_call(monkeypatch):
-    """``_memcpy_1d`` hands the CUDA runtime one ``cudaMemcpyAsync`` per contiguous run (chunks
-    back to back in the pool merge into one): destination, source, bytes, direction, stream; a
-    runtime error is raised with the runtime's message; without the runtime the caller copies
-    through torch. (A recorded runtime: the real one moves these bytes in the CUDA tests.)"""
-    from types import SimpleNamespace
-
-    from lmcache_vllm import fused_transfer as ft
-
+def test_plain_runs_are_one_batched_copy():
+    """Contiguous one-row runs of a piece go to the device backend as one batched copy (chunks
+    back to back in the pool merge into one run; a chunk elsewhere is a second entry)."""
     md = _md("lbnhc")
     conn = _conn("lbnhc", md, _caches("lbnhc", md, "cpu", 16), True)
     rng = [(0, 8), (8, 16), (16, 20)]
-    lib, calls = _recorded_runtime(monkeypatch, "cudaMemcpyAsync")
     with _buffers(conn, rng, "adjacent") as bufs:
         chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, bufs, strict=True)]
         plan = conn._plan(range(LAYERS), chunks, 0, 0)
         (run,) = plan.runs  # back to back: one run of all three chunks
         assert run.rows == 1 and run.count == 3 and run.contiguous
         assert run.nbytes == sum(t.numel() * t.element_size() for t in bufs)
-        stream = SimpleNamespace(cuda_stream=99)
-        host, dev = bufs[0].data_ptr(), 1 << 40
-        assert ft._memcpy_1d(run, dev, True, stream)
-        assert ft._memcpy_1d(run, dev, False, stream)
-        assert calls == [(host, dev, run.nbytes, 2, 99), (dev, host, run.nbytes, 1, 99)]
-        lib.rc = 1
-        with pytest.raises(RuntimeError, match=r"of \d+ bytes failed: invalid argument"):
-            ft._memcpy_1d(run, dev, True, stream)
-        monkeypatch.setattr(ft, "_cudart", lambda: None)
-        assert not ft._memcpy_1d(run, dev, True, stream)
+    rng = [(0, 8), (8, 12), (12, 20)]  # unequal sizes, scattered: three one-row runs
+    with _buffers(conn, rng, "scattered") as bufs:
+        for i, t in enumerate(bufs):
+            t.copy_(torch.randn(t.shape).to(t.dtype) + i)
+        chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, bufs, strict=True)]
+        plan = conn._plan(range(LAYERS), chunks, 0, 0)
+        staging = torch.zeros(plan.total * plan.row_bytes, dtype=torch.uint8)
+        rec = _recorded_backend(conn)
+        conn._copy_runs(plan, staging, to_host=False)
+        copies = [c for c in rec.calls if c.name.startswith("copy")]
+        assert [(r.rows, r.count) for r in plan.runs] == [(1, 1)] * 3
+        sizes = tuple(conn.chunk_nbytes(e - s) for s, e in rng)
+        stream = rec.current_stream(conn.device)
+        assert [(c.name, c.detail) for c in copies] == [("copy_batch", (sizes, stream))]
+        pos = 0
+        for (s, e), t in zip(rng, bufs, strict=True):
+            nbytes = (e - s) * plan.row_bytes
+            assert torch.equal(staging[pos : pos + nbytes], t.reshape(-1).view(torch.uint8))
+            pos += nbytes

@@ -1,19 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Host <-> device copies, dispatched through injectable per-device ops.
+"""Host <-> device copies through the device backend (:mod:`lmcache.devices`).
 
-Connectors never branch on the device: they call :func:`lmcache_memcpy_async_h2d` /
-:func:`lmcache_memcpy_async_d2h` (or :func:`get_device_ops` directly), which look up the
-:class:`HostDeviceOps` registered for the device tensor's ``device.type``. ``cuda`` and ``cpu``
-are built in; a device package adds its own with :func:`register_device_ops`, typically from an
-entry point of group ``lmcache.devices`` (``xpu = "lmcache_xpu.device:register"``), which is
-loaded the first time an unknown device type is asked for.
+:func:`lmcache_memcpy_async_h2d` / :func:`lmcache_memcpy_async_d2h` validate a tensor pair and
+hand it to the :class:`~lmcache.devices.DeviceBackend` of the device tensor's type.
+
+:class:`HostDeviceOps`, :func:`register_device_ops` and :func:`get_device_ops` are the earlier,
+smaller interface, kept for plug-ins written against it: :func:`get_device_ops` answers a view
+of the device's backend, and :func:`register_device_ops` registers ops as a backend (copies,
+current stream and synchronize; the rest behaves as on a device without streams). New code uses
+:func:`lmcache.devices.get_backend` and :func:`lmcache.devices.register_backend`.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import logging
-import os
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from lmcache._install_hint import adapter_install_command
+from lmcache.devices import registry as _registry
+from lmcache.devices.backend import DeviceBackend, copy_pair
+from lmcache.devices.registry import DEVICE_ENTRY_POINT_GROUP, get_backend, register_backend
 
 __all__ = [
     "DEVICE_ENTRY_POINT_GROUP",
@@ -33,17 +35,13 @@ __all__ = [
     "registered_device_types",
 ]
 
-logger = logging.getLogger(__name__)
-
-DEVICE_ENTRY_POINT_GROUP = "lmcache.devices"
-"""Entry points ``<device_type> = "module:callable"``; the callable registers device ops."""
-
 CopyFn = Callable[[torch.Tensor, torch.Tensor, Any], None]
 
 
 @dataclass(frozen=True)
 class HostDeviceOps:
-    """Host <-> device copy and stream operations of one device type.
+    """Host <-> device copy and stream operations of one device type (the earlier interface;
+    see :class:`lmcache.devices.DeviceBackend` for the whole one).
 
     Attributes:
         device_type: ``torch.device.type`` these ops serve, e.g. ``"cuda"``.
@@ -62,113 +60,127 @@ class HostDeviceOps:
     synchronize: Callable[[Any], None]
 
 
-def _cpu_copy(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-    dst.copy_(src)
+class _OpsBackend(DeviceBackend):
+    """A backend made of :class:`HostDeviceOps` (:func:`register_device_ops`): its copies,
+    current stream and synchronize; no streams of its own, events always complete."""
+
+    def __init__(self, ops: HostDeviceOps) -> None:
+        self.ops = ops
+        self.device_type = ops.device_type
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def current_stream(self, device: torch.device) -> Any:
+        return self.ops.current_stream(device)
+
+    def new_stream(self, device: torch.device, priority: int = 0) -> Any:
+        return None
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def wait_stream(self, waiter: Any, stream: Any) -> None:
+        self.ops.synchronize(stream)
+
+    def synchronize(self, target: Any = None) -> None:
+        self.ops.synchronize(None if isinstance(target, torch.device) else target)
+
+    def new_event(self, blocking: bool = False) -> Any:
+        from lmcache.devices.cpu import DoneEvent
+
+        return DoneEvent()
+
+    def record_event(self, event: Any, stream: Any) -> Any:
+        self.ops.synchronize(stream)  # the event completes when it is recorded
+        return event
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        return None
+
+    def event_synchronize(self, event: Any) -> None:
+        return None
+
+    def event_query(self, event: Any) -> bool:
+        return True
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(int(nbytes), dtype=torch.uint8)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
+        d, s = copy_pair(dst, src, "copy")
+        (self.ops.d2h if d.device.type == "cpu" else self.ops.h2d)(d, s, stream)
+
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
+        self.ops.h2d(dst, src, stream)
+
+    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
+        self.ops.d2h(dst, src, stream)
 
 
-def _cpu_current_stream(device: torch.device) -> Any:
-    return None
+_VIEWS_LOCK = threading.Lock()
+_VIEWS: dict[int, tuple[DeviceBackend, HostDeviceOps]] = {}
 
 
-def _cpu_synchronize(stream: Any) -> None:
-    return None
-
-
-def _cuda_copy(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-    if stream is None:
-        dst.copy_(src, non_blocking=True)
-        return
-    device_tensor = dst if dst.device.type == "cuda" else src
-    with torch.cuda.stream(stream):
-        dst.copy_(src, non_blocking=True)
-    # The caching allocator must not reuse the device memory before ``stream`` is done with it.
-    device_tensor.record_stream(stream)
-
-
-def _cuda_current_stream(device: torch.device) -> Any:
-    return torch.cuda.current_stream(device)
-
-
-def _cuda_synchronize(stream: Any) -> None:
-    if stream is None:
-        torch.cuda.synchronize()
-    else:
-        stream.synchronize()
-
-
-_LOCK = threading.RLock()
-_OPS: dict[str, HostDeviceOps] = {
-    "cpu": HostDeviceOps("cpu", _cpu_copy, _cpu_copy, _cpu_current_stream, _cpu_synchronize),
-    "cuda": HostDeviceOps("cuda", _cuda_copy, _cuda_copy, _cuda_current_stream, _cuda_synchronize),
-}
-_PLUGINS_TRIED: set[str] = set()
+def _view(backend: DeviceBackend) -> HostDeviceOps:
+    if isinstance(backend, _OpsBackend):
+        return backend.ops
+    with _VIEWS_LOCK:
+        have = _VIEWS.get(id(backend))
+        if have is None or have[0] is not backend:
+            ops = HostDeviceOps(
+                backend.device_type,
+                backend.copy_h2d,
+                backend.copy_d2h,
+                backend.current_stream,
+                backend.synchronize,
+            )
+            have = _VIEWS[id(backend)] = (backend, ops)
+        return have[1]
 
 
 def register_device_ops(device_type: str, ops: HostDeviceOps, *, clobber: bool = False) -> None:
-    """Register the host <-> device ops of ``device_type`` (e.g. ``"xpu"``).
+    """Register ``ops`` as the backend of ``device_type`` (e.g. ``"xpu"``).
 
     Raises:
-        ValueError: ``ops.device_type`` differs from ``device_type``, or ops are already
-            registered for it and ``clobber`` is false.
+        ValueError: ``ops.device_type`` differs from ``device_type``, or a backend is already
+            registered for it (other than these very ops) and ``clobber`` is false.
     """
     if ops.device_type != device_type:
         raise ValueError(
             f"register_device_ops({device_type!r}, ...) got ops for {ops.device_type!r}; "
             "the two must match."
         )
-    with _LOCK:
-        if device_type in _OPS and _OPS[device_type] is not ops and not clobber:
+    with _registry._LOCK:
+        have = _registry._BACKENDS.get(device_type)
+        if have is not None and _view(have) is ops:
+            return
+        if have is None and device_type in _registry._BUILTIN and not clobber:
+            have = get_backend(device_type)
+        if have is not None and not clobber:
             raise ValueError(
                 f"Device ops for {device_type!r} are already registered; pass clobber=True to "
                 "replace them."
             )
-        _OPS[device_type] = ops
+        register_backend(_OpsBackend(ops), clobber=True)
 
 
 def registered_device_types() -> tuple[str, ...]:
-    """Device types with registered ops (without loading plug-ins)."""
-    with _LOCK:
-        return tuple(sorted(_OPS))
-
-
-def _load_device_plugin(device_type: str) -> None:
-    if device_type in _PLUGINS_TRIED:
-        return
-    _PLUGINS_TRIED.add(device_type)
-    if os.environ.get("LMCACHE_PLUGIN_AUTOLOAD", "1").strip().lower() in {
-        "0",
-        "false",
-        "no",
-        "off",
-    }:
-        return
-    for ep in importlib.metadata.entry_points(group=DEVICE_ENTRY_POINT_GROUP, name=device_type):
-        try:
-            register = ep.load()
-        except ImportError as exc:
-            logger.warning("Could not import device plug-in %s (%s): %s", ep.name, ep.value, exc)
-            continue
-        register()
+    """Device types with a backend (without loading plug-ins)."""
+    return _registry.registered_backends()
 
 
 def get_device_ops(device_type: str) -> HostDeviceOps:
-    """The :class:`HostDeviceOps` for ``device_type``, loading a device plug-in if needed.
+    """The :class:`HostDeviceOps` view of ``device_type``'s backend, loading a device plug-in
+    if needed.
 
     Raises:
-        ValueError: no ops are registered for ``device_type``.
+        ValueError: no backend serves ``device_type`` (names the package to install).
     """
-    with _LOCK:
-        ops = _OPS.get(device_type)
-        if ops is None:
-            _load_device_plugin(device_type)
-            ops = _OPS.get(device_type)
-        if ops is None:
-            raise ValueError(
-                f"No host<->device ops for device type {device_type!r}. Registered: "
-                f"{sorted(_OPS)}. Install the device package ("
-                f"{adapter_install_command(device_type)}) or call register_device_ops()."
-            )
-        return ops
+    return _view(get_backend(device_type))
 
 
 def _check_pair(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -183,9 +195,9 @@ def _check_pair(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 def lmcache_memcpy_async_h2d(dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
     """Copy host tensor ``src`` into device tensor ``dst`` (asynchronous on CUDA).
 
-    On CUDA the copy is enqueued with ``non_blocking=True`` on ``stream`` (``None`` = current
-    stream); it overlaps with the host only when ``src`` is pinned. Keep both tensors alive until
-    the stream is synchronized. CPU-to-CPU is a plain ``copy_``.
+    The copy is enqueued by the device's backend on ``stream`` (``None`` = current stream); it
+    overlaps with the host only when ``src`` is pinned. Keep both tensors alive until the stream
+    is synchronized. CPU-to-CPU is a plain ``copy_``.
 
     Args:
         dst: Device tensor ``[*shape]``.
@@ -193,8 +205,8 @@ def lmcache_memcpy_async_h2d(dst: torch.Tensor, src: torch.Tensor, stream: Any =
         stream: Device stream, or ``None``.
 
     Raises:
-        ValueError: shapes/dtypes differ, ``src`` is not on the host, or the device type has no
-            registered ops.
+        ValueError: shapes/dtypes differ, ``src`` is not on the host, or no backend serves the
+            device type.
     """
     _check_pair(dst, src, "lmcache_memcpy_async_h2d")
     if src.device.type != "cpu":
@@ -202,7 +214,10 @@ def lmcache_memcpy_async_h2d(dst: torch.Tensor, src: torch.Tensor, stream: Any =
             f"lmcache_memcpy_async_h2d: src must be a host (cpu) tensor, found {src.device}; "
             "use lmcache_memcpy_async_d2h for device-to-host copies."
         )
-    get_device_ops(dst.device.type).h2d(dst, src, stream)
+    backend = get_backend(dst.device)
+    backend.copy_h2d(dst, src, stream)
+    if stream is not None:  # the allocator must not reuse dst before ``stream`` is done
+        backend.record_stream(dst, stream)
 
 
 def lmcache_memcpy_async_d2h(dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
@@ -214,8 +229,8 @@ def lmcache_memcpy_async_d2h(dst: torch.Tensor, src: torch.Tensor, stream: Any =
         stream: Device stream, or ``None`` for the current stream.
 
     Raises:
-        ValueError: shapes/dtypes differ, ``dst`` is not on the host, or the device type has no
-            registered ops.
+        ValueError: shapes/dtypes differ, ``dst`` is not on the host, or no backend serves the
+            device type.
     """
     _check_pair(dst, src, "lmcache_memcpy_async_d2h")
     if dst.device.type != "cpu":
@@ -223,4 +238,7 @@ def lmcache_memcpy_async_d2h(dst: torch.Tensor, src: torch.Tensor, stream: Any =
             f"lmcache_memcpy_async_d2h: dst must be a host (cpu) tensor, found {dst.device}; "
             "use lmcache_memcpy_async_h2d for host-to-device copies."
         )
-    get_device_ops(src.device.type).d2h(dst, src, stream)
+    backend = get_backend(src.device)
+    backend.copy_d2h(dst, src, stream)
+    if stream is not None:
+        backend.record_stream(src, stream)

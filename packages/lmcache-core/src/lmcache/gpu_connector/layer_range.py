@@ -13,7 +13,6 @@ Nothing here imports an engine.
 
 from __future__ import annotations
 
-import contextlib
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -30,6 +29,7 @@ from lmcache.gpu_connector.interface import (
 
 if TYPE_CHECKING:
     from lmcache.config import LMCacheConfig
+    from lmcache.devices.backend import DeviceBackend
     from lmcache.gpu_connector.registry import ConnectorSelector
     from lmcache.metadata import LMCacheMetadata
 
@@ -56,12 +56,15 @@ def moved_tokens(
 class LayerRangeConnector(GPUConnectorInterface, SupportsLayerwise):
     """A layerwise connector built on two range transfers.
 
-    A subclass sets ``device`` (the KV cache's) and implements :meth:`_from` and :meth:`_to`;
-    both are called only with at least one chunk, after :meth:`check_chunks`. ``_to`` records
-    the stream it enqueued on in ``_last_stream`` (what :meth:`synchronize` waits for).
+    A subclass sets ``device`` (the KV cache's) and ``backend`` (``lmcache.devices.get_backend
+    (device)``: every stream, event and synchronisation goes through it) and implements
+    :meth:`_from` and :meth:`_to`; both are called only with at least one chunk, after
+    :meth:`check_chunks`. ``_to`` records the stream it enqueued on in ``_last_stream`` (what
+    :meth:`synchronize` waits for).
     """
 
     device: torch.device
+    backend: DeviceBackend
     _last_stream: Any = None
 
     @abstractmethod
@@ -115,15 +118,15 @@ class LayerRangeConnector(GPUConnectorInterface, SupportsLayerwise):
     def _stream_ctx(self, transfer: TransferSpec) -> Any:
         """Run on ``transfer.stream``, ordered after the work already queued on the current
         stream (the engine's writes of the KV being saved, or its reads of the pages)."""
-        if self.device.type == "cuda" and transfer.stream is not None:
-            transfer.stream.wait_stream(torch.cuda.current_stream(self.device))
-            return torch.cuda.stream(transfer.stream)
-        return contextlib.nullcontext()
+        backend = self.backend
+        if backend.has_streams and transfer.stream is not None:
+            backend.wait_stream(transfer.stream, backend.current_stream(self.device))
+        return backend.use_stream(transfer.stream)
 
     def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            stream = self._last_stream or torch.cuda.current_stream(self.device)
-            stream.synchronize()
+        backend = self.backend
+        if backend.has_streams:
+            backend.stream_synchronize(self._last_stream or backend.current_stream(self.device))
 
 
 def engine_selector(

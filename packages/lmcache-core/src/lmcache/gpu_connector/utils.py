@@ -34,20 +34,20 @@ def get_device_type(t: torch.Tensor) -> str:
 
 
 def current_stream_for(device: torch.device | str) -> Any:
-    """The current stream of ``device`` (``None`` for the CPU), through the device ops.
+    """The current stream of ``device`` (``None`` for the CPU), through its device backend.
 
     Raises:
-        ValueError: the device type has no registered :class:`~.gpu_ops.HostDeviceOps`.
+        ValueError: no backend serves the device type (:func:`lmcache.devices.get_backend`).
     """
-    from lmcache.gpu_connector.gpu_ops import get_device_ops
+    from lmcache.devices import get_backend
 
     dev = torch.device(device)
-    return get_device_ops(dev.type).current_stream(dev)
+    return get_backend(dev).current_stream(dev)
 
 
 def is_pinned_memory_available() -> bool:
-    """Whether host memory can be page-locked (needs a CUDA or XPU runtime with a device)."""
-    if torch.cuda.is_available():
-        return True
-    xpu = getattr(torch, "xpu", None)
-    return bool(xpu is not None and xpu.is_available())
+    """Whether host memory can be page-locked (a device backend other than the CPU's is
+    available: CUDA, or a registered one such as XPU)."""
+    from lmcache.devices import host_backend
+
+    return host_backend().device_type != "cpu"

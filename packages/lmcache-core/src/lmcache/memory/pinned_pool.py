@@ -38,6 +38,8 @@ from types import TracebackType
 
 import torch
 
+from lmcache.devices import DeviceBackend, get_backend, host_backend
+
 __all__ = ["ALIGNMENT", "HostMemoryPool", "LeaseError", "MemoryLease", "aligned_bytes"]
 
 logger = logging.getLogger(__name__)
@@ -228,12 +230,15 @@ class HostMemoryPool:
 
     Args:
         budget_bytes: Most bytes of host memory the pool ever holds (slabs included).
-        pin: Page-lock the slabs (fast DMA to/from a GPU). ``None`` pins iff
-            ``torch.cuda.is_available()``.
+        pin: Page-lock the slabs (fast DMA to/from a GPU), each of exactly its size, through
+            ``backend.pinned_empty``. ``None`` pins iff the backend is a device's (not the CPU's).
         slab_bytes: Size of one shared slab. Allocations up to this size share slabs; larger
             ones get a slab of their own.
         prepin: Pin the whole budget ahead of need on a background thread (the default when
             pinning); ``False`` pins slabs only when an allocation needs one.
+        backend: The device backend whose host memory the slabs are
+            (:func:`lmcache.devices.host_backend` by default: CUDA when available, else a
+            registered device's, else the CPU's).
 
     Raises:
         ValueError: ``budget_bytes < 0`` or ``slab_bytes <= 0``.
@@ -246,6 +251,7 @@ class HostMemoryPool:
         pin: bool | None = None,
         slab_bytes: int = 256 << 20,
         prepin: bool | None = None,
+        backend: DeviceBackend | None = None,
     ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"HostMemoryPool budget_bytes must be >= 0, found {budget_bytes}")
@@ -253,7 +259,10 @@ class HostMemoryPool:
             raise ValueError(f"HostMemoryPool slab_bytes must be > 0, found {slab_bytes}")
         self._budget = int(budget_bytes)
         self._slab_bytes = aligned_bytes(int(slab_bytes))
-        self._pin = torch.cuda.is_available() if pin is None else bool(pin)
+        if backend is None:
+            backend = host_backend() if pin is None or pin else get_backend("cpu")
+        self._backend = backend
+        self._pin = backend.device_type != "cpu" if pin is None else bool(pin)
         self._lock = threading.Lock()
         self._slabs: list[_Slab] = []  # shared slabs, in creation order
         self._dedicated = 0  # bytes in dedicated slabs
@@ -423,8 +432,11 @@ class HostMemoryPool:
     def _new_slab(self, size: int, *, dedicated: bool) -> _Slab | None:
         try:
             with torch.inference_mode(False):  # a normal tensor even if the engine is in it
-                tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
-        except RuntimeError as exc:
+                if self._pin:
+                    tensor = self._backend.pinned_empty(size)
+                else:
+                    tensor = torch.empty(size, dtype=torch.uint8)
+        except (RuntimeError, MemoryError) as exc:
             logger.warning(
                 "HostMemoryPool could not allocate a %d-byte %s host slab (%s); the allocation "
                 "is treated as out of memory. Lower the budget (max_local_cpu_size) or, if "

@@ -52,7 +52,6 @@ def shutdown_llm(llm: Any) -> None:
     """
     import gc
 
-    import torch
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
 
     with contextlib.suppress(Exception):
@@ -60,5 +59,6 @@ def shutdown_llm(llm: Any) -> None:
     del llm
     gc.collect()
     ensure_kv_transfer_shutdown()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    from lmcache.devices import get_backend
+
+    get_backend("cuda").empty_cache()  # a no-op without a GPU

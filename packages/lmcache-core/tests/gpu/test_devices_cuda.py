@@ -1,0 +1,117 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The CUDA device backend on a GPU: exact-size pinned memory, single, batched
+(``cudaMemcpyBatchAsync``) and 2D copies in both directions, streams and events. Needs a CUDA
+GPU (skips otherwise)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from lmcache.devices import get_backend  # noqa: E402
+from lmcache.devices.cuda import CudaBackend, cudart  # noqa: E402
+
+
+@pytest.fixture
+def cuda() -> CudaBackend:
+    backend = get_backend("cuda")
+    assert isinstance(backend, CudaBackend)
+    return backend
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8).random_(0, 256).view(t.dtype) if t.numel() else t
+
+
+def test_runtime_found_and_batch_probed() -> None:
+    rt = cudart()
+    assert rt is not None and rt.version >= 12000
+    # cudaMemcpyBatchAsync from 12.8 on; its failIdx argument only before 13.0
+    assert (rt.batch is not None) == (rt.version >= 12080)
+    assert rt.batch_fail_idx == (12080 <= rt.version < 13000)
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096 * 3 + 17, (130 << 20) + 5])
+def test_pinned_empty_is_exact_and_page_locked(cuda: CudaBackend, nbytes: int) -> None:
+    host = cuda.pinned_empty(nbytes)
+    assert host.dtype == torch.uint8 and host.numel() == nbytes
+    assert host.is_pinned() and cuda.is_pinned(host)
+    _poison(host)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    back = cuda.pinned_empty(nbytes)
+    stream = cuda.new_stream(torch.device("cuda"))
+    cuda.copy_h2d(dev, host, stream)
+    cuda.copy_d2h(back, dev, stream)
+    cuda.stream_synchronize(stream)
+    assert torch.equal(back, host)
+    del host, back, dev
+    gc.collect()  # unregistered when freed: a new buffer at the same place registers again
+    again = cuda.pinned_empty(nbytes)
+    assert again.is_pinned()
+
+
+def test_small_pinned_buffers_do_not_share_pages(cuda: CudaBackend) -> None:
+    many = [cuda.pinned_empty(16) for _ in range(64)]  # would fail if two shared a page
+    assert all(t.is_pinned() for t in many)
+
+
+def test_host_register_in_place(cuda: CudaBackend) -> None:
+    t = torch.empty(3 << 20, dtype=torch.uint8)
+    assert cuda.host_register(t)
+    assert t.is_pinned()
+    cuda.host_unregister(t)
+    assert not t.is_pinned()
+
+
+@pytest.mark.parametrize("default_stream", [False, True])
+def test_copy_batch_both_directions(cuda: CudaBackend, default_stream: bool) -> None:
+    dev = torch.device("cuda")
+    stream = cuda.current_stream(dev) if default_stream else cuda.new_stream(dev)
+    sizes = [1, 4096, 1 << 20, 333, 7 << 20]
+    hosts = [_poison(cuda.pinned_empty(n)) for n in sizes]
+    devs = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes]
+    backs = [_poison(cuda.pinned_empty(n)) for n in sizes]
+    with cuda.use_stream(stream):
+        cuda.copy_batch(devs, hosts, stream)
+        cuda.copy_batch(backs, devs, stream)
+    cuda.stream_synchronize(stream)
+    assert all(torch.equal(b, h) for b, h in zip(backs, hosts, strict=True))
+
+
+def test_copy_2d_both_directions(cuda: CudaBackend) -> None:
+    stream = cuda.new_stream(torch.device("cuda"))
+    rows, width, hpitch, dpitch = 5, 3000, 7000, 4096
+    host = _poison(cuda.pinned_empty(rows * hpitch))
+    dev = torch.zeros(rows * dpitch, dtype=torch.uint8, device="cuda")
+    cuda.copy_2d(dev, dpitch, host, hpitch, width, rows, stream)
+    back = torch.zeros(rows * hpitch, dtype=torch.uint8).pin_memory()
+    cuda.copy_2d(back, hpitch, dev, dpitch, width, rows, stream)
+    cuda.stream_synchronize(stream)
+    for i in range(rows):
+        row = host[i * hpitch : i * hpitch + width]
+        assert torch.equal(dev[i * dpitch : i * dpitch + width].cpu(), row)
+        assert torch.equal(back[i * hpitch : i * hpitch + width], row)
+        assert not back[i * hpitch + width : (i + 1) * hpitch].any()  # gaps untouched
+
+
+def test_events_order_streams(cuda: CudaBackend) -> None:
+    dev = torch.device("cuda")
+    main, side = cuda.current_stream(dev), cuda.new_stream(dev)
+    x = torch.zeros(1 << 20, device=dev)
+    with cuda.use_stream(side):
+        torch.cuda._sleep(20_000_000)  # a device-side delay, so the wait matters
+        x.fill_(3)
+        done = cuda.event_after(side, blocking=True)
+    cuda.wait_event(main, done)
+    y = x * 2  # on main, after side's fill
+    cuda.event_synchronize(done)
+    assert cuda.event_query(done)
+    assert torch.equal(y, torch.full_like(x, 6))
+    assert cuda.device_for_rank(0) == torch.device("cuda", 0)
