@@ -66,6 +66,7 @@ NON_CONFIG_ENV_VARS: frozenset[str] = frozenset(
         "LMCACHE_PLUGIN_AUTOLOAD",
         "LMCACHE_REQUIRE_CEXT",
         "LMCACHE_DISABLE_CEXT",
+        "LMCACHE_DISABLE_MEMCPY_BATCH",
         "LMCACHE_LOG_LEVEL",
         "LMCACHE_REMOTE_PASSWORD",
     }

@@ -21,6 +21,9 @@ from lmcache.devices.cuda import CudaBackend, cudart  # noqa: E402
 
 @pytest.fixture
 def cuda() -> CudaBackend:
+    # torch's Tensor.is_pinned() answers False until torch has initialised CUDA in this process
+    # (it never initialises it for the question); connectors always hold device tensors by then.
+    torch.cuda.init()
     backend = get_backend("cuda")
     assert isinstance(backend, CudaBackend)
     return backend
@@ -60,6 +63,28 @@ def test_pinned_empty_is_exact_and_page_locked(cuda: CudaBackend, nbytes: int) -
 def test_small_pinned_buffers_do_not_share_pages(cuda: CudaBackend) -> None:
     many = [cuda.pinned_empty(16) for _ in range(64)]  # would fail if two shared a page
     assert all(t.is_pinned() for t in many)
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_pageable_host_memory_is_copied_by_torch(cuda: CudaBackend, direction: str) -> None:
+    """Pageable host memory takes torch's copy (the raw runtime path is for page-locked memory
+    only), single, batched and 2D, with the bytes intact."""
+    host = _poison(torch.empty(4 << 20, dtype=torch.uint8))
+    assert not host.is_pinned()
+    dev = _poison(torch.empty(4 << 20, dtype=torch.uint8, device="cuda"))
+    stream = cuda.new_stream(torch.device("cuda"))
+    if direction == "h2d":
+        cuda.copy(dev, host, stream)
+        cuda.copy_batch([dev[:1024], dev[1024:4096]], [host[:1024], host[1024:4096]], stream)
+        cuda.copy_2d(dev, 4096, host, 4096, 2048, 16, stream)
+        cuda.stream_synchronize(stream)
+        assert torch.equal(dev.cpu(), host)
+    else:
+        cuda.copy(host, dev, stream)
+        cuda.copy_batch([host[:1024], host[1024:4096]], [dev[:1024], dev[1024:4096]], stream)
+        cuda.copy_2d(host, 4096, dev, 4096, 2048, 16, stream)
+        cuda.stream_synchronize(stream)
+        assert torch.equal(host, dev.cpu())
 
 
 def test_host_register_in_place(cuda: CudaBackend) -> None:

@@ -170,6 +170,18 @@ def _handle(stream: Any, dst: torch.Tensor, src: torch.Tensor) -> int:
     return int(stream.cuda_stream)
 
 
+def _raw_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether a raw runtime copy may move this pair: contiguous, one side on the device, and the
+    host side page-locked. Pageable host memory takes torch's copy, which stages it safely."""
+    if not (dst.is_contiguous() and src.is_contiguous()):
+        return False
+    if dst.is_cuda and src.is_cuda:
+        return True
+    if dst.is_cuda:
+        return src.is_pinned()
+    return src.is_cuda and dst.is_pinned()
+
+
 def _unregister(ptr: int) -> None:
     rt = cudart()
     if rt is not None:
@@ -275,7 +287,9 @@ class CudaBackend(DeviceBackend):
             rt.check(err, f"cudaHostRegister of {nbytes} bytes")
         # torch keeps ``array`` (and through it the pages) alive as long as any view of the
         # tensor; once the last is freed, unregister before the pages are unmapped.
-        weakref.finalize(array, _unregister, ptr)
+        # Not at interpreter exit: the CUDA runtime may already be torn down by then, and the
+        # process's exit frees the pages anyway.
+        weakref.finalize(array, _unregister, ptr).atexit = False
         return torch.from_numpy(array)
 
     def host_register(self, tensor: torch.Tensor) -> bool:
@@ -298,11 +312,11 @@ class CudaBackend(DeviceBackend):
     # -- copies ------------------------------------------------------------------------------
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
-        """One ``cudaMemcpyAsync`` for contiguous tensors, else torch's non-blocking copy on
-        ``stream``."""
+        """One ``cudaMemcpyAsync`` for contiguous tensors with page-locked host memory, else torch's
+        non-blocking copy on ``stream``."""
         d, s = copy_pair(dst, src, "CudaBackend.copy")
         rt = cudart()
-        if rt is not None and d.is_contiguous() and s.is_contiguous() and (d.is_cuda or s.is_cuda):
+        if rt is not None and _raw_ok(d, s):
             n = d.numel() * d.element_size()
             if n:
                 err = rt.lib.cudaMemcpyAsync(
@@ -342,7 +356,7 @@ class CudaBackend(DeviceBackend):
         dp, sp, sizes = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (ctypes.c_size_t * n)()
         for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)):
             d, s = copy_pair(d, s, "CudaBackend.copy_batch")
-            if not (d.is_contiguous() and s.is_contiguous() and (d.is_cuda or s.is_cuda)):
+            if not _raw_ok(d, s):
                 return False
             dp[i], sp[i], sizes[i] = d.data_ptr(), s.data_ptr(), d.numel() * d.element_size()
         handle = _handle(stream, dsts[0], srcs[0])
@@ -381,9 +395,15 @@ class CudaBackend(DeviceBackend):
         height: int,
         stream: Any = None,
     ) -> None:
-        """One ``cudaMemcpy2DAsync``; row by row when the runtime is not available."""
+        """One ``cudaMemcpy2DAsync``; row by row when the runtime is not available or the host
+        side is pageable."""
         rt = cudart()
-        if rt is None or not (dst.is_cuda or src.is_cuda):
+        host = src if dst.is_cuda else dst
+        if (
+            rt is None
+            or not (dst.is_cuda or src.is_cuda)
+            or (not host.is_cuda and not host.is_pinned())
+        ):
             super().copy_2d(dst, dpitch, src, spitch, width, height, stream)
             return
         err = rt.lib.cudaMemcpy2DAsync(
