@@ -60,7 +60,11 @@ def test_disk_survives_losing_the_cpu_tier(run, baseline, tmp_path):
     _reset_process_tiers()  # the CPU tier is gone; the disk index is rebuilt from the folder
     warm = run([PROMPTS["p300"], PROMPTS["p300_ext"]], _disk(folder))
     assert warm.tokens == [baseline["p300"], baseline["p300_ext"]]
-    assert warm.cached[0] == 256  # the 4 chunks, read from disk, verified, promoted
+    # Both prompts start with the 4 stored chunks. Lookups with a disk tier run concurrently, so
+    # either request may be admitted first: it loads the chunks from disk (verified, promoted),
+    # and the other may then take them, plus a block, from vLLM's own prefix cache.
+    assert all(c >= 256 for c in warm.cached), warm.cached
+    assert warm.metrics["vllm:external_prefix_cache_hits"] >= 256, warm.metrics
 
 
 class _Engine:
