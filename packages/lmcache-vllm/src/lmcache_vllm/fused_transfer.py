@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The fused all-layer path of :class:`~lmcache_vllm.gpu_connector.VLLMPagedConnector`.
+"""The fused all-layer transfer strategy of :class:`~lmcache_vllm.gpu_connector.VLLMPagedConnector`.
 
 For ``kv_concat`` and ``mla`` caches whose layers are views of one buffer with a uniform step
 between layers (how vLLM allocates them), all layers are gathered/scattered through one strided
@@ -15,9 +15,10 @@ indices are built once per call, on the host when the slot mapping is on the hos
 case: no device sync at all; they go to the device through a persistent pinned buffer),
 otherwise on the device.
 
-:class:`FusedTransfer` is a mixin of the connector: it uses the connector's geometry
-(``metadata``, ``_caches``, ``block_size``, ``num_blocks``, ``device``) and slot checks. This
-module never imports vLLM.
+:class:`FusedTransfer` is built by the connector from the
+:class:`~lmcache_vllm.paged_cache.PagedKVCache` it checked and its device backend
+(:meth:`FusedTransfer.for_cache`), and holds everything the path needs (views, index ring, copy
+stream); it reads nothing of the connector. This module never imports vLLM.
 """
 
 from __future__ import annotations
@@ -32,48 +33,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
+from lmcache.gpu_connector.layer_range import transfer_stream
 from lmcache_vllm.kv_formats import describe
+from lmcache_vllm.paged_cache import PagedKVCache, fuse_layers, wait_for_transfer
 
 if TYPE_CHECKING:
     from lmcache.devices import DeviceBackend
-    from lmcache.metadata import LMCacheMetadata
 
-__all__ = ["FusedTransfer", "Prefetched", "fuse_layers"]
+__all__ = ["FusedTransfer", "Prefetched"]
 
 logger = logging.getLogger(__name__)
-
-
-def fuse_layers(caches: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """All layers as one strided view ``[layers, *layer_shape]``, or ``None``.
-
-    Possible when every layer is a view of one storage with the same shape and strides and a
-    uniform, non-overlapping element step between consecutive layers (vLLM's allocation).
-    """
-    first = caches[0]
-    if first.numel() == 0:
-        return None
-    span = 1 + sum(
-        (int(n) - 1) * abs(int(st)) for n, st in zip(first.shape, first.stride(), strict=True)
-    )
-    step = (
-        int(caches[1].storage_offset()) - int(first.storage_offset()) if len(caches) > 1 else span
-    )
-    if abs(step) < span:
-        return None  # layers alias or overlap: one fused write would race
-    base = first.untyped_storage().data_ptr()
-    for i, t in enumerate(caches):
-        if (
-            t.stride() != first.stride()
-            or t.untyped_storage().data_ptr() != base
-            or t.storage_offset() != first.storage_offset() + i * step
-        ):
-            return None
-    try:
-        return first.as_strided(
-            (len(caches), *first.shape), (step, *first.stride()), first.storage_offset()
-        )
-    except RuntimeError:  # a view reaching outside the storage: not one buffer after all
-        return None
 
 
 _WIDE = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16))
@@ -246,7 +215,7 @@ class Prefetched:
 
 @dataclass
 class _PreparedFrom:
-    """A store's plan and device slot indices, made by :meth:`FusedTransfer._fused_prepare`
+    """A store's plan and device slot indices, made by :meth:`FusedTransfer.prepare_store`
     before the KV exists; valid for a copy of all layers of the same chunk list and slot
     mapping. ``uploaded``: CUDA event after the indices' upload."""
 
@@ -277,22 +246,15 @@ class _PreparedFrom:
 
 
 class FusedTransfer:
-    """Mixin: the fused all-layer path (see the module docstring).
+    """The fused all-layer path (see the module docstring).
 
-    The host class sets ``metadata``, ``_caches``, ``block_size``, ``num_blocks``, ``device``,
-    ``backend`` (the device backend: every stream, event, pinned buffer and host copy goes
-    through it) and provides ``_check_slots``, ``_stream_ctx`` and ``_sync``; it calls
-    :meth:`_init_fused` before :meth:`_setup_fused`.
+    Args:
+        cache: A ``kv_concat`` or ``mla`` cache.
+        backend: The cache device's backend: every stream, event, pinned buffer and host copy
+            goes through it.
+
+    Use :meth:`for_cache`, which returns ``None`` when the layers allow no fused views.
     """
-
-    metadata: LMCacheMetadata
-    kv_format: str
-    _caches: list[torch.Tensor]
-    block_size: int
-    num_blocks: int
-    device: torch.device
-    backend: DeviceBackend
-    _last_stream: Any
 
     pipeline_bytes: int = 64 << 20
     """On CUDA, a call is cut into about four pieces of at most this many bytes (and at least
@@ -304,22 +266,41 @@ class FusedTransfer:
     """Smallest piece: each piece costs a dozen host-side launches, which must stay well under
     its copy time (32 MiB take ~0.6 ms at PCIe 5 speed), so small calls are one piece."""
 
-    if TYPE_CHECKING:
+    def __init__(self, cache: PagedKVCache, backend: DeviceBackend) -> None:
+        self.cache = cache
+        self.kv_format = cache.kv_format
+        self._caches = list(cache.caches)
+        self.block_size = cache.block_size
+        self.num_blocks = cache.num_blocks
+        self.device = cache.device
+        self.backend = backend
+        self._init_fused()
+        self._setup_fused()
 
-        @property
-        def num_layers(self) -> int: ...
+    @classmethod
+    def for_cache(cls, cache: PagedKVCache, backend: DeviceBackend) -> FusedTransfer | None:
+        """The fused path of ``cache``, or ``None`` when its layers allow neither one view nor
+        one view per layer (layers that differ in strides)."""
+        fused = cls(cache, backend)
+        return fused if fused._fused_any else None
 
-        @property
-        def kv_width(self) -> int: ...
+    @property
+    def num_layers(self) -> int:
+        return len(self._caches)
 
-        @property
-        def dtype(self) -> torch.dtype: ...
+    @property
+    def kv_width(self) -> int:
+        return self.cache.kv_width
 
-        def _check_slots(self, slots: torch.Tensor, token_ids: Any) -> None: ...
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cache.dtype
 
-        def _stream_ctx(self, transfer: TransferSpec) -> Any: ...
+    def _stream_ctx(self, transfer: TransferSpec) -> Any:
+        return transfer_stream(self.backend, self.device, transfer)
 
-        def _sync(self, transfer: TransferSpec) -> None: ...
+    def _sync(self, transfer: TransferSpec) -> None:
+        wait_for_transfer(self.backend, self.device, transfer)
 
     def _init_fused(self) -> None:
         # Fused all-layer view (see _setup_fused); None -> the per-layer path.
@@ -349,7 +330,7 @@ class FusedTransfer:
         bytes, fewer elements for the index kernels), and ``B, N`` merge into one slot axis
         when their strides allow (FlashAttention's LBNHC, MLA).
         """
-        md = self.metadata
+        md = self.cache
         self._fused_split = self.kv_format != "mla" and md.head_size_k != md.head_size_v
         fused = fuse_layers(self._caches)
         if fused is not None:
@@ -370,7 +351,7 @@ class FusedTransfer:
     def _row_view(self, t: torch.Tensor, lead: int) -> torch.Tensor:
         """``t`` (``[*lead, B, H, N, C]``, MLA ``[*lead, B, N, D]``) as ``[*lead, slots, *row]``
         or ``[*lead, B, N, *row]`` with canonical rows (see :meth:`_setup_fused`)."""
-        md = self.metadata
+        md = self.cache
         view = t
         if self.kv_format != "mla":
             view = view.transpose(-3, -2)  # [*lead, B, N, H, C]
@@ -531,7 +512,7 @@ class FusedTransfer:
         rows = 1 if self._fused_by_slot else 2
         if slots.device.type == "cpu" or self.device.type == "cpu":
             slots = slots.to("cpu", torch.int64)
-            self._check_slots(slots if kept_pos is None else slots[kept_pos], token_ids)
+            self.cache.check_slots(slots if kept_pos is None else slots[kept_pos], token_ids)
             if not self.backend.has_streams:
                 idx = torch.empty((rows, plan.total), dtype=torch.int64)
                 self._fill_indices(idx, slots)
@@ -563,7 +544,7 @@ class FusedTransfer:
             lo, hi = lo_hi.tolist()
             if lo < 0 or hi >= limit:  # find the culprits on the host (error path only)
                 host = transfer.slot_mapping.to("cpu", torch.int64)[token_ids()]
-                self._check_slots(host, token_ids)
+                self.cache.check_slots(host, token_ids)
 
         return idx, check
 
@@ -646,7 +627,7 @@ class FusedTransfer:
 
     def _split_kv(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[..., kv_width]`` -> K ``[..., H, head_k]`` and V ``[..., H, head_v]`` views."""
-        md = self.metadata
+        md = self.cache
         nk = md.num_kv_heads * md.head_size_k
         k = rows[..., :nk].unflatten(-1, (md.num_kv_heads, md.head_size_k))  # type: ignore[no-untyped-call]
         v = rows[..., nk:].unflatten(-1, (md.num_kv_heads, md.head_size_v))  # type: ignore[no-untyped-call]
@@ -656,8 +637,8 @@ class FusedTransfer:
         if self._fused_split:
             rows = src[tuple(index)]  # [..., H, head_k + head_v]
             k, v = self._split_kv(out)
-            k.copy_(rows[..., : self.metadata.head_size_k])
-            v.copy_(rows[..., self.metadata.head_size_k :])
+            k.copy_(rows[..., : self.cache.head_size_k])
+            v.copy_(rows[..., self.cache.head_size_k :])
         else:
             torch.ops.aten.index.Tensor_out(src, index, out=out)
 
@@ -772,15 +753,19 @@ class FusedTransfer:
         deferred = transfer.deferred and transfer.stream is not None
         return 0 if deferred and self.backend.has_streams else -1
 
-    def _fused_prepare(
+    def plans_ahead(self, transfer: TransferSpec) -> bool:
+        """Whether :meth:`prepare_store` can do a store's host side ahead: CUDA, and a slot
+        mapping on the host (a device one is checked through a buffer each call reuses)."""
+        return self.backend.has_streams and transfer.slot_mapping.device.type == "cpu"
+
+    def prepare_store(
         self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
     ) -> _PreparedFrom | None:
-        """The host side of a later all-layer :meth:`_fused_from` of ``chunks``, done ahead:
-        the plan, and the slot indices uploaded on ``transfer.stream`` (CUDA, and a slot
-        mapping on the host: a device one is checked through a buffer each call reuses)."""
-        if not self.backend.has_streams or transfer.slot_mapping.device.type != "cpu":
+        """The host side of a later all-layer :meth:`from_cache` of ``chunks`` (checked by
+        the caller), done ahead: the plan, and the slot indices uploaded on ``transfer.stream``;
+        ``None`` unless :meth:`plans_ahead`."""
+        if not self.plans_ahead(transfer):
             return None
-        self.check_chunks(chunks, transfer)  # type: ignore[attr-defined]
         layers = range(self.num_layers)
         plan = self._plan(layers, chunks, 0, self._store_pieces(transfer))
         with self._stream_ctx(transfer):
@@ -788,9 +773,9 @@ class FusedTransfer:
             uploaded = self.backend.event_after(self.backend.current_stream(self.device))
         return _PreparedFrom(layers, chunks, transfer.slot_mapping, plan, idx, check, uploaded)
 
-    def _checked_ahead(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> bool:
-        """A copy of the very chunk list and slot mapping that :meth:`_fused_prepare` checked
-        (a step's batched saves): no second check of every chunk."""
+    def checked_ahead(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> bool:
+        """A copy of the very chunk list and slot mapping that :meth:`prepare_store` planned
+        (checked by its caller; a step's batched saves): no second check of every chunk."""
         prep = transfer.prepared
         return (
             isinstance(prep, _PreparedFrom)
@@ -798,7 +783,7 @@ class FusedTransfer:
             and prep.slots is transfer.slot_mapping
         )
 
-    def _fused_from(
+    def from_cache(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
     ) -> None:
         backend = self.backend
@@ -931,17 +916,16 @@ class FusedTransfer:
             if main != pre.stream:
                 backend.record_stream(pre.staging, main)
             self._scatter(plan, pre.staging[base:], full, idx, -1, only=layers)
-        self._last_stream = transfer.stream
         return True
 
-    def _fused_to(
+    def to_cache(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
+    ) -> bool:
         if transfer.staged is not None and self._fused_to_staged(layers, chunks, transfer):
-            return
+            return True
         plan = self._plan(layers, chunks, transfer.skip_tokens)
         if plan.total == 0:
-            return
+            return False
         with self._stream_ctx(transfer):
             nbytes = plan.total * plan.row_bytes
             try:
@@ -957,9 +941,10 @@ class FusedTransfer:
                         "room); loading such hits one layer at a time",
                         nbytes >> 20,
                     )
+                moved = False
                 for layer in layers:  # a 1/len(layers) staging buffer at a time
-                    self._fused_to(range(layer, layer + 1), chunks, transfer)
-                return
+                    moved = self.to_cache(range(layer, layer + 1), chunks, transfer) or moved
+                return moved
             idx, check = self._fused_indices(plan, transfer)
             copy = self._copy_stream(plan)
             if copy is None:
@@ -979,4 +964,12 @@ class FusedTransfer:
                 for piece in range(plan.pieces):
                     backend.wait_event(main, done[piece])
                     self._scatter(plan, staging, layers, idx, piece)
-        self._last_stream = transfer.stream
+        return True
+
+    def close(self) -> None:
+        """Drop the views and the pinned index buffers."""
+        self._caches = []
+        self._fused = None
+        self._fused_layers = None
+        self._pinned_idx = []
+        self._pinned_lo_hi = None
