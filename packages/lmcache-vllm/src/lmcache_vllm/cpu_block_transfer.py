@@ -18,8 +18,9 @@ Tokens that do not fill a block (a range that starts or ends mid-block, ``skip_t
 mid-block, slots out of order) go through the token-level reference of
 :mod:`lmcache_vllm.kv_formats`, layer by layer.
 
-The connector creates a :class:`CpuBlockTransfer` from the :class:`~lmcache_vllm.paged_cache.PagedKVCache`
-it checked, for ``cpu_kt_v`` caches on a CPU engine. This module never imports vLLM.
+The connector creates a :class:`CpuBlockTransfer` from the
+:class:`~lmcache_vllm.paged_cache.PagedKVCache` it checked, for ``cpu_kt_v`` caches on a CPU
+engine. This module never imports vLLM.
 """
 
 from __future__ import annotations

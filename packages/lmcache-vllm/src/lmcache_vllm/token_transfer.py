@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The layer-by-layer, token-by-token transfer of :class:`~lmcache_vllm.gpu_connector.VLLMPagedConnector`.
+"""The layer-by-layer, token-by-token transfer strategy of
+:class:`~lmcache_vllm.gpu_connector.VLLMPagedConnector`.
 
 Every block format of :mod:`lmcache_vllm.kv_formats` works here: each layer's moved tokens are
 gathered (scattered) by ``(block, offset)`` through the format's token-level reference, via a

@@ -15,6 +15,7 @@ from lmcache.config import LMCacheConfig
 from lmcache.gpu_connector import ChunkTransfer, EngineInfo, TransferSpec
 from lmcache.memory.pinned_pool import ALIGNMENT
 from lmcache.metadata import LMCacheMetadata
+from lmcache_vllm.fused_plan import add_run
 from lmcache_vllm.gpu_connector import VLLMPagedConnector
 from lmcache_vllm.testing.chunk_buffers import chunk_buffers as _buffers
 from lmcache_vllm.token_transfer import TokenTransfer
@@ -360,9 +361,7 @@ def test_chunks_at_a_constant_step_merge_into_one_strided_run():
         for piece, (a, b) in enumerate([(0, 1), (1, LAYERS)]):
             for i, c in enumerate(chunks[:3]):
                 lo = i * CHUNK * plan.row_bytes + a * CHUNK * plan.layer_bytes
-                conn.transfer._add_run(
-                    grouped, lo, (b - a) * CHUNK * plan.layer_bytes, c.buffer[a:b], piece
-                )
+                add_run(grouped, lo, (b - a) * CHUNK * plan.layer_bytes, c.buffer[a:b], piece)
         assert [(r.rows, r.piece) for r in grouped.runs] == [(3, 0), (3, 1)]
 
 
