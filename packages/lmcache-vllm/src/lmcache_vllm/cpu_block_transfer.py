@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ``cpu_kt_v`` fast path of :class:`~lmcache_vllm.gpu_connector.VLLMPagedConnector` (vLLM's
-CPU attention), block by block, straight between the cache and the chunk buffers.
+"""The transfer strategy of :class:`~lmcache_vllm.gpu_connector.VLLMPagedConnector` for vLLM's CPU
+attention block format ``cpu_kt_v`` (:class:`CpuBlockTransfer`): block by block, straight between
+the cache and the chunk buffers.
 
 On a CPU engine the chunk buffers are already in host memory, so nothing is staged: each op
 reads or writes the chunk buffers directly. Tokens move a whole block at a time wherever a run of
@@ -15,25 +16,25 @@ blocks, or several whole chunks whose buffers lie back to back in one pool slab.
 
 Tokens that do not fill a block (a range that starts or ends mid-block, ``skip_tokens``
 mid-block, slots out of order) go through the token-level reference of
-:mod:`lmcache_vllm.kv_formats`, layer by layer. This module never imports vLLM.
+:mod:`lmcache_vllm.kv_formats`, layer by layer.
+
+The connector creates a :class:`CpuBlockTransfer` from the
+:class:`~lmcache_vllm.paged_cache.PagedKVCache` it checked, for ``cpu_kt_v`` caches on a CPU
+engine. This module never imports vLLM.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
-from lmcache_vllm.fused_transfer import fuse_layers
 from lmcache_vllm.kv_formats import gather_layer, scatter_layer
+from lmcache_vllm.paged_cache import PagedKVCache, fuse_layers
 
-if TYPE_CHECKING:
-    from lmcache.metadata import LMCacheMetadata
-
-__all__ = ["KtVBlockTransfer"]
+__all__ = ["CpuBlockTransfer"]
 
 
 @dataclass
@@ -92,25 +93,24 @@ def _gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> Non
     torch.index_select(src, 0, idx.reshape(-1), out=flat)
 
 
-class KtVBlockTransfer:
-    """Mixin: the ``cpu_kt_v`` block path (see the module docstring).
+class CpuBlockTransfer:
+    """The ``cpu_kt_v`` block path (see the module docstring).
 
-    The host class sets ``metadata``, ``_caches`` (per-layer ``[B, H, bs, 2 * head]`` views,
-    each ``[b, h]`` run contiguous), ``block_size``, ``num_blocks`` and provides
-    ``_check_slots``; it calls :meth:`_setup_kt_v_blocks` once.
+    Args:
+        cache: A ``cpu_kt_v`` cache on the host: per-layer ``[B, H, bs, 2 * head]`` views, each
+            ``[b, h]`` run contiguous.
     """
 
-    metadata: LMCacheMetadata
-    _caches: list[torch.Tensor]
-    block_size: int
-    num_blocks: int
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self._caches = list(cache.caches)
+        self.block_size = cache.block_size
+        self.num_blocks = cache.num_blocks
+        self._setup_kt_v_blocks()
 
-    if TYPE_CHECKING:
-
-        @property
-        def num_layers(self) -> int: ...
-
-        def _check_slots(self, slots: torch.Tensor, token_ids: Any) -> None: ...
+    @property
+    def num_layers(self) -> int:
+        return len(self._caches)
 
     def _setup_kt_v_blocks(self) -> None:
         """Build the sources: one for every layer when they fuse, else one per layer."""
@@ -139,7 +139,7 @@ class KtVBlockTransfer:
     def _kt_v_source(
         self, t: torch.Tensor, rows: int, layers: list[int], row_of: list[int]
     ) -> _Source | None:
-        hs, bs = self.metadata.head_size_k, self.block_size
+        hs, bs = self.cache.head_size_k, self.block_size
         heads = t.shape[1]
         sb, sh = t.stride(0), t.stride(1)
         off = t.storage_offset()
@@ -167,7 +167,7 @@ class KtVBlockTransfer:
             if t0 == n:
                 continue  # the engine holds all of this chunk already
             s = sm[c.start + t0 : c.end]
-            self._check_slots(s, lambda c=c, t0=t0: torch.arange(c.start + t0, c.end))
+            self.cache.check_slots(s, lambda c=c, t0=t0: torch.arange(c.start + t0, c.end))
             starts = self._block_starts(s)
             if starts.numel() * bs == s.numel():
                 single = None
@@ -247,7 +247,7 @@ class KtVBlockTransfer:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Chunk-side K ``[count, layers, G, H, head, bs]`` and V ``[count, layers, G, H, bs,
         head]`` views of a group (and V widened, or ``None``)."""
-        md, bs = self.metadata, self.block_size
+        md, bs = self.cache, self.block_size
         g = grp.blocks.shape[1]
         buf = grp.buffer
         tok = buf[layers.start : layers.stop, grp.t0 : grp.t0 + g * bs]  # [nl, g*bs, kw]
@@ -289,7 +289,7 @@ class KtVBlockTransfer:
 
     # -- transfers ---------------------------------------------------------------------------
 
-    def _kt_v_from(
+    def from_cache(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
     ) -> None:
         groups, edges = self._kt_v_plan(chunks, transfer, 0)
@@ -301,7 +301,7 @@ class KtVBlockTransfer:
             return
         slots = torch.cat(edges.slots)
         blocks, offs = slots // self.block_size, slots % self.block_size
-        md = self.metadata
+        md = self.cache
         for layer in layers:
             rows = gather_layer("cpu_kt_v", self._caches[layer], md.head_size_k, blocks, offs)
             at = 0
@@ -309,19 +309,20 @@ class KtVBlockTransfer:
                 buf[layer].index_copy_(0, pos, rows[at : at + pos.numel()])
                 at += pos.numel()
 
-    def _kt_v_to(
+    def to_cache(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
+    ) -> bool:
+        """Synchronous on the host: returns ``False`` (nothing left queued on a stream)."""
         groups, edges = self._kt_v_plan(chunks, transfer, transfer.skip_tokens)
         for grp in groups:
             for idx, kc, kb, vc, vb in self._group_ops(grp, layers):
                 kc.index_put_((idx,), kb)
                 vc.index_put_((idx,), vb)
         if not edges.parts:
-            return
+            return False
         slots = torch.cat(edges.slots)
         blocks, offs = slots // self.block_size, slots % self.block_size
-        md = self.metadata
+        md = self.cache
         for layer in layers:
             src = torch.cat([buf[layer].index_select(0, pos) for buf, pos in edges.parts])
             scatter_layer(
@@ -334,3 +335,9 @@ class KtVBlockTransfer:
                 offs,
                 src,
             )
+        return False
+
+    def close(self) -> None:
+        """Drop the views."""
+        self._caches = []
+        self._kt_v_sources = []

@@ -25,6 +25,7 @@ __all__ = ["probe_cpu_kv_format"]
 def probe_cpu_kv_format(vllm_config: Any, layer_names: list[str], cache: torch.Tensor) -> str:
     """Which block format vLLM's CPU cache-write kernel uses here (see gpu_connector)."""
     from lmcache_vllm.gpu_connector import VLLMPagedConnector
+    from lmcache_vllm.kv_formats import gather_layer
 
     try:
         from vllm import _custom_ops as ops
@@ -70,7 +71,8 @@ def probe_cpu_kv_format(vllm_config: Any, layer_names: list[str], cache: torch.T
             EngineInfo(name="vllm", device="cpu", kv_caches=[scratch]),
             {"kv_format": fmt},
         )
-        if torch.equal(conn._gather_layer(0, blocks, offs), want):
+        got = gather_layer(fmt, conn.cache.caches[0], conn.cache.head_size_k, blocks, offs)
+        if torch.equal(got, want):
             return fmt
     raise KVLayoutError(
         f"vLLM's CPU attention (isa={isa!r}) writes KV blocks in a format lmcache does not know "

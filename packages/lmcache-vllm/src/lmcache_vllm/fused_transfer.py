@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The fused all-layer path of :class:`~lmcache_vllm.gpu_connector.VLLMPagedConnector`.
+"""The fused all-layer transfer strategy of
+:class:`~lmcache_vllm.gpu_connector.VLLMPagedConnector`.
 
 For ``kv_concat`` and ``mla`` caches whose layers are views of one buffer with a uniform step
 between layers (how vLLM allocates them), all layers are gathered/scattered through one strided
@@ -15,284 +16,58 @@ indices are built once per call, on the host when the slot mapping is on the hos
 case: no device sync at all; they go to the device through a persistent pinned buffer),
 otherwise on the device.
 
-:class:`FusedTransfer` is a mixin of the connector: it uses the connector's geometry
-(``metadata``, ``_caches``, ``block_size``, ``num_blocks``, ``device``) and slot checks. This
-module never imports vLLM.
+:class:`FusedTransfer` is built by the connector from the
+:class:`~lmcache_vllm.paged_cache.PagedKVCache` it checked and its device backend
+(:meth:`FusedTransfer.for_cache`), and holds everything the path needs (views, index ring, copy
+stream); it reads nothing of the connector. Its parts: the staging plan
+(:mod:`lmcache_vllm.fused_plan`), the slot indices (:mod:`lmcache_vllm.slot_indices`), and here
+the views, the gathers and scatters, the host copies, and the store, load and prefetch paths.
+This module never imports vLLM.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
+from lmcache.gpu_connector.layer_range import transfer_stream
+from lmcache_vllm.fused_plan import (
+    HostRun,
+    Prefetched,
+    PreparedStore,
+    StagingOp,
+    StagingPlan,
+    add_run,
+    plan_chunks,
+    widen_rows,
+)
 from lmcache_vllm.kv_formats import describe
+from lmcache_vllm.paged_cache import PagedKVCache, fuse_layers, wait_for_transfer
+from lmcache_vllm.slot_indices import SlotIndices
 
 if TYPE_CHECKING:
     from lmcache.devices import DeviceBackend
-    from lmcache.metadata import LMCacheMetadata
 
-__all__ = ["FusedTransfer", "Prefetched", "fuse_layers"]
+__all__ = ["FusedTransfer", "Prefetched"]
 
 logger = logging.getLogger(__name__)
 
 
-def fuse_layers(caches: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """All layers as one strided view ``[layers, *layer_shape]``, or ``None``.
-
-    Possible when every layer is a view of one storage with the same shape and strides and a
-    uniform, non-overlapping element step between consecutive layers (vLLM's allocation).
-    """
-    first = caches[0]
-    if first.numel() == 0:
-        return None
-    span = 1 + sum(
-        (int(n) - 1) * abs(int(st)) for n, st in zip(first.shape, first.stride(), strict=True)
-    )
-    step = (
-        int(caches[1].storage_offset()) - int(first.storage_offset()) if len(caches) > 1 else span
-    )
-    if abs(step) < span:
-        return None  # layers alias or overlap: one fused write would race
-    base = first.untyped_storage().data_ptr()
-    for i, t in enumerate(caches):
-        if (
-            t.stride() != first.stride()
-            or t.untyped_storage().data_ptr() != base
-            or t.storage_offset() != first.storage_offset() + i * step
-        ):
-            return None
-    try:
-        return first.as_strided(
-            (len(caches), *first.shape), (step, *first.stride()), first.storage_offset()
-        )
-    except RuntimeError:  # a view reaching outside the storage: not one buffer after all
-        return None
-
-
-_WIDE = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16))
-
-
-def _widen(t: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    """``t`` reinterpreted with the widest element that fits (fewer, larger elements for the
-    index kernels, which copy elements as opaque bytes), keeping ``row_bytes`` whole."""
-    isz = t.element_size()
-    for w, dt in _WIDE:
-        if w <= isz:
-            break
-        if row_bytes % w or (t.shape[-1] * isz) % w:
-            continue
-        try:
-            return t.view(dt)
-        except RuntimeError:
-            continue
-    return t
-
-
-@dataclass
-class _Op:
-    """One gather/scatter: ``g`` consecutive staged chunks of ``n`` tokens from staging token
-    ``pos``, layers ``[l0, l1)`` of the call's layers, tokens ``[t0, n)`` of each chunk."""
-
-    pos: int
-    g: int
-    n: int
-    t0: int
-    l0: int
-    l1: int
-    piece: int
-
-
-@dataclass
-class _Run:
-    """Staging bytes ``[lo, lo + nbytes)`` <-> host bytes, moved with one copy.
-
-    ``host`` is the first chunk's host tensor; ``count`` chunks lie back to back after it in one
-    storage when ``count > 1`` (see :meth:`host_view`). A non-contiguous host tensor is copied
-    through a staging view of its shape.
-
-    ``rows`` > 1 makes it a strided (2D) run: ``rows`` copies of ``nbytes`` each, row ``i`` at
-    staging byte ``lo + i * dev_pitch`` and host byte ``host.data_ptr() + i * host_pitch``, all in
-    one host storage (e.g. layer group ``g`` of chunks that lie at a constant step in a pool
-    slab). On CUDA it moves in one ``cudaMemcpy2DAsync``; ``row_hosts`` keeps each row's host
-    tensor for the row-by-row fallback.
-    """
-
-    lo: int
-    nbytes: int
-    host: torch.Tensor
-    contiguous: bool
-    end_ptr: int
-    storage_ptr: int
-    piece: int
-    count: int = 1
-    rows: int = 1
-    host_pitch: int = 0
-    dev_pitch: int = 0
-    row_hosts: list[torch.Tensor] = field(default_factory=list)
-
-    def host_view(self) -> torch.Tensor:
-        if not self.contiguous:
-            return self.host
-        flat = self.host.reshape(-1).view(torch.uint8)
-        if self.count == 1:
-            return flat
-        return flat.as_strided((self.nbytes,), (1,), flat.storage_offset())
-
-    def extend_2d(self, lo: int, nbytes: int, host: torch.Tensor, sptr: int) -> bool:
-        """Append ``host`` as the next row of this run when it continues the run's steps on
-        both sides (the second row sets them); ``False``: not a continuation."""
-        if (
-            not self.contiguous
-            or self.count != 1
-            or nbytes != self.nbytes
-            or sptr != self.storage_ptr
-            or not host.is_contiguous()
-        ):
-            return False
-        first = self.host.data_ptr()
-        ptr = host.data_ptr()
-        if self.rows == 1:
-            hp, dp = ptr - first, lo - self.lo
-            if hp < nbytes or dp < nbytes:  # rows must not overlap (and go forwards)
-                return False
-            self.host_pitch, self.dev_pitch = hp, dp
-            self.row_hosts = [self.host]
-        elif (
-            ptr != first + self.rows * self.host_pitch or lo != self.lo + self.rows * self.dev_pitch
-        ):
-            return False
-        self.rows += 1
-        self.row_hosts.append(host)
-        self.end_ptr = ptr + nbytes
-        return True
-
-
-@dataclass
-class _Plan:
-    """Where the chunks of one call lie in the chunk-major staging buffer, and what moves.
-
-    Staged chunk ``i`` owns staging tokens ``[pos_i, pos_i + n_i)`` and bytes ``[pos_i *
-    row_bytes, (pos_i + n_i) * row_bytes)``, laid out ``[layers, n_i, kv_width]``. Ops and runs
-    are grouped into ``pieces``: piece ``i``'s host copies may overlap piece ``i + 1``'s gather
-    (or piece ``i - 1``'s scatter).
-    """
-
-    row_bytes: int
-    layer_bytes: int  # bytes of one layer of one token
-    tokens: list[tuple[int, int]]  # request token ranges of the staged chunks, in order
-    total: int = 0
-    ops: list[_Op] = field(default_factory=list)
-    kept: list[tuple[int, int]] = field(default_factory=list)  # staging spans that move
-    runs: list[_Run] = field(default_factory=list)
-    pieces: int = 0
-    staged: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, buffer ptr)
-
-    def token_ids(self) -> torch.Tensor:
-        """``[total]`` int64: request token index of every staging token."""
-        return torch.cat([torch.arange(a, b) for a, b in self.tokens])
-
-    def kept_positions(self) -> torch.Tensor:
-        return torch.cat([torch.arange(a, b) for a, b in self.kept])
-
-
-@dataclass
-class Prefetched:
-    """A device copy of whole chunks, all layers, in the chunk-major staging layout.
-
-    Made by :meth:`FusedTransfer.prefetch` on ``stream``; complete once ``event`` is. A later
-    load whose staged chunks are a run of these (same token ranges, same host buffers) scatters
-    from ``staging`` instead of copying from the host. Copied in layer groups, ``layer_events``
-    holds ``(layer stop, event)`` per group, in order: a load of layers ``< stop`` waits only
-    for that group's event.
-    """
-
-    staging: torch.Tensor
-    chunks: list[tuple[int, int, int]]  # (start, end, host buffer ptr) of each chunk
-    offsets: list[int]  # byte offset of each chunk in staging
-    event: Any
-    stream: Any
-    layer_events: list[tuple[int, Any]] = field(default_factory=list)
-    # (transfer, chunk ranges and buffers) -> (plan, base, device indices) of the last load from
-    # this copy: a layerwise load scatters it in several layer groups with the same indices
-    scatter_plan: tuple[Any, ...] | None = None
-
-    def event_for(self, stop: int) -> Any:
-        """The event after which layers ``0 .. stop - 1`` of every chunk are on the device."""
-        for group_stop, event in self.layer_events:
-            if group_stop >= stop:
-                return event
-        return self.event
-
-    def base_for(self, plan: _Plan) -> int | None:
-        """Byte offset in ``staging`` of ``plan``'s first staged chunk, or ``None`` unless the
-        plan's staged chunks are consecutive chunks of this copy."""
-        if not plan.staged:
-            return None
-        try:
-            i = self.chunks.index(plan.staged[0])
-        except ValueError:
-            return None
-        if self.chunks[i : i + len(plan.staged)] != plan.staged:
-            return None
-        return self.offsets[i]
-
-
-@dataclass
-class _PreparedFrom:
-    """A store's plan and device slot indices, made by :meth:`FusedTransfer._fused_prepare`
-    before the KV exists; valid for a copy of all layers of the same chunk list and slot
-    mapping. ``uploaded``: CUDA event after the indices' upload."""
-
-    layers: range
-    chunks: Sequence[ChunkTransfer]
-    slots: torch.Tensor
-    plan: _Plan
-    idx: torch.Tensor
-    check: Callable[[], None]
-    uploaded: Any
-
-    def matches(
-        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> bool:
-        """Whether the plan is the one of this call (all of it is reused)."""
-        return (
-            self.chunks is chunks and self.slots is transfer.slot_mapping and self.layers == layers
-        )
-
-    def indexes(self, plan: _Plan, transfer: TransferSpec) -> bool:
-        """Whether the indices fit ``plan`` (the same chunks and slots; the layers may differ:
-        a layerwise store uploads them once for all of its layers)."""
-        return (
-            self.slots is transfer.slot_mapping
-            and self.plan.staged == plan.staged
-            and self.plan.kept == plan.kept
-        )
-
-
 class FusedTransfer:
-    """Mixin: the fused all-layer path (see the module docstring).
+    """The fused all-layer path (see the module docstring).
 
-    The host class sets ``metadata``, ``_caches``, ``block_size``, ``num_blocks``, ``device``,
-    ``backend`` (the device backend: every stream, event, pinned buffer and host copy goes
-    through it) and provides ``_check_slots``, ``_stream_ctx`` and ``_sync``; it calls
-    :meth:`_init_fused` before :meth:`_setup_fused`.
+    Args:
+        cache: A ``kv_concat`` or ``mla`` cache.
+        backend: The cache device's backend: every stream, event, pinned buffer and host copy
+            goes through it.
+
+    Use :meth:`for_cache`, which returns ``None`` when the layers allow no fused views.
     """
-
-    metadata: LMCacheMetadata
-    kv_format: str
-    _caches: list[torch.Tensor]
-    block_size: int
-    num_blocks: int
-    device: torch.device
-    backend: DeviceBackend
-    _last_stream: Any
 
     pipeline_bytes: int = 64 << 20
     """On CUDA, a call is cut into about four pieces of at most this many bytes (and at least
@@ -304,22 +79,42 @@ class FusedTransfer:
     """Smallest piece: each piece costs a dozen host-side launches, which must stay well under
     its copy time (32 MiB take ~0.6 ms at PCIe 5 speed), so small calls are one piece."""
 
-    if TYPE_CHECKING:
+    def __init__(self, cache: PagedKVCache, backend: DeviceBackend) -> None:
+        self.cache = cache
+        self.kv_format = cache.kv_format
+        self._caches = list(cache.caches)
+        self.block_size = cache.block_size
+        self.num_blocks = cache.num_blocks
+        self.device = cache.device
+        self.backend = backend
+        self._init_fused()
+        self._setup_fused()
+        self._indices = SlotIndices(cache, backend, self._fused_by_slot)
 
-        @property
-        def num_layers(self) -> int: ...
+    @classmethod
+    def for_cache(cls, cache: PagedKVCache, backend: DeviceBackend) -> FusedTransfer | None:
+        """The fused path of ``cache``, or ``None`` when its layers allow neither one view nor
+        one view per layer (layers that differ in strides)."""
+        fused = cls(cache, backend)
+        return fused if fused._fused_any else None
 
-        @property
-        def kv_width(self) -> int: ...
+    @property
+    def num_layers(self) -> int:
+        return len(self._caches)
 
-        @property
-        def dtype(self) -> torch.dtype: ...
+    @property
+    def kv_width(self) -> int:
+        return self.cache.kv_width
 
-        def _check_slots(self, slots: torch.Tensor, token_ids: Any) -> None: ...
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cache.dtype
 
-        def _stream_ctx(self, transfer: TransferSpec) -> Any: ...
+    def _stream_ctx(self, transfer: TransferSpec) -> Any:
+        return transfer_stream(self.backend, self.device, transfer)
 
-        def _sync(self, transfer: TransferSpec) -> None: ...
+    def _sync(self, transfer: TransferSpec) -> None:
+        wait_for_transfer(self.backend, self.device, transfer)
 
     def _init_fused(self) -> None:
         # Fused all-layer view (see _setup_fused); None -> the per-layer path.
@@ -330,12 +125,6 @@ class FusedTransfer:
         self._layer_ids = torch.empty(0, dtype=torch.int64)
         self._all_layers = self._layer_ids
         self._copy_stream_obj: Any = None
-        # Persistent pinned host buffers (CUDA): index upload and the slot-range answer.
-        self._pinned_idx: list[list[Any]] = []  # ring of [pinned int64 buffer, upload event]
-        self._pinned_lo_hi: torch.Tensor | None = None
-        # A store may be planned (prepare_store) on one thread while a load runs on another:
-        # taking a ring slot, filling it and recording its upload is one step under this lock.
-        self._ring_lock = threading.Lock()
 
     def _setup_fused(self) -> None:
         """Build the indexed views of the fused path, ``[..., slot, *row]`` (or ``[..., block,
@@ -349,7 +138,7 @@ class FusedTransfer:
         bytes, fewer elements for the index kernels), and ``B, N`` merge into one slot axis
         when their strides allow (FlashAttention's LBNHC, MLA).
         """
-        md = self.metadata
+        md = self.cache
         self._fused_split = self.kv_format != "mla" and md.head_size_k != md.head_size_v
         fused = fuse_layers(self._caches)
         if fused is not None:
@@ -370,14 +159,14 @@ class FusedTransfer:
     def _row_view(self, t: torch.Tensor, lead: int) -> torch.Tensor:
         """``t`` (``[*lead, B, H, N, C]``, MLA ``[*lead, B, N, D]``) as ``[*lead, slots, *row]``
         or ``[*lead, B, N, *row]`` with canonical rows (see :meth:`_setup_fused`)."""
-        md = self.metadata
+        md = self.cache
         view = t
         if self.kv_format != "mla":
             view = view.transpose(-3, -2)  # [*lead, B, N, H, C]
             if not self._fused_split:
                 view = view.unflatten(-1, (2, md.head_size_k)).transpose(-3, -2)  # type: ignore[no-untyped-call]
         if not self._fused_split:
-            view = _widen(view, self.kv_width * t.element_size())
+            view = widen_rows(view, self.kv_width * t.element_size())
         try:  # [*lead, slots, *row]: one index per token instead of (block, offset)
             merged = view.view(*view.shape[:lead], -1, *view.shape[lead + 2 :])
         except RuntimeError:  # blocks and offsets do not merge (e.g. LBHNC)
@@ -403,217 +192,31 @@ class FusedTransfer:
 
     def _plan(
         self, layers: range, chunks: Sequence[ChunkTransfer], skip: int, piece_bytes: int = -1
-    ) -> _Plan:
-        """Lay the chunks that move out in the staging buffer (chunk-major) and find the host
-        copies: one per chunk, merged when host buffers lie back to back in one storage.
+    ) -> StagingPlan:
+        """:func:`~lmcache_vllm.fused_plan.plan_chunks` of this cache (``piece_bytes`` -1:
+        :meth:`_piece_bytes`)."""
+        return plan_chunks(
+            layers,
+            chunks,
+            skip,
+            piece_bytes,
+            num_layers=self.num_layers,
+            layer_bytes=self.kv_width * self._caches[0].element_size(),
+            default_piece_bytes=self._piece_bytes,
+        )
 
-        ``piece_bytes``: cut into pieces of about this size (0: one piece; -1: the default,
-        :meth:`_piece_bytes`); a chunk larger than a piece is cut by layers.
-        """
-        nl = len(layers)
-        layer_bytes = self.kv_width * self._caches[0].element_size()
-        row_bytes = nl * layer_bytes
-        plan = _Plan(row_bytes, layer_bytes, [])
-        staged = []
-        for c in chunks:
-            t0 = min(max(skip - c.start, 0), c.num_tokens)
-            if t0 < c.num_tokens:  # else the engine holds all of this chunk already
-                staged.append((c, t0))
-        if piece_bytes < 0:
-            piece_bytes = self._piece_bytes(sum(c.num_tokens for c, _ in staged) * row_bytes)
-        whole = layers.start == 0 and layers.stop == self.num_layers
-        pos, piece, fill = 0, -1, 0
-        for c, t0 in staged:
-            n = c.num_tokens
-            plan.staged.append((c.start, c.end, c.buffer.data_ptr()))
-            if plan.tokens and plan.tokens[-1][1] == c.start:
-                plan.tokens[-1] = (plan.tokens[-1][0], c.end)
-            else:
-                plan.tokens.append((c.start, c.end))
-            if plan.kept and plan.kept[-1][1] == pos + t0:
-                plan.kept[-1] = (plan.kept[-1][0], pos + n)
-            else:
-                plan.kept.append((pos + t0, pos + n))
-            nbytes = n * row_bytes
-            host = c.buffer if whole else c.buffer[layers.start : layers.stop]
-            if piece_bytes > 0 and nbytes > piece_bytes and nl > 1:  # cut this chunk by layers
-                k = min(nl, -(-nbytes // piece_bytes))
-                bounds = [nl * i // k for i in range(k + 1)]
-                for l0, l1 in itertools.pairwise(bounds):
-                    piece += 1
-                    plan.ops.append(_Op(pos, 1, n, t0, l0, l1, piece))
-                    self._add_run(
-                        plan,
-                        pos * row_bytes + l0 * n * layer_bytes,
-                        (l1 - l0) * n * layer_bytes,
-                        host[l0:l1],
-                        piece,
-                    )
-                fill = piece_bytes  # the next chunk starts a new piece
-            else:
-                if piece < 0 or (piece_bytes > 0 and fill + nbytes > piece_bytes and fill > 0):
-                    piece, fill = piece + 1, 0
-                fill += nbytes
-                last = plan.ops[-1] if plan.ops else None
-                if (
-                    last is not None
-                    and last.piece == piece
-                    and t0 == 0
-                    and last.t0 == 0
-                    and last.n == n
-                    and last.l1 - last.l0 == nl
-                ):
-                    last.g += 1
-                else:
-                    plan.ops.append(_Op(pos, 1, n, t0, 0, nl, piece))
-                self._add_run(plan, pos * row_bytes, nbytes, host, piece)
-            pos += n
-        plan.total = pos
-        plan.pieces = piece + 1
-        return plan
-
-    @staticmethod
-    def _add_run(plan: _Plan, lo: int, nbytes: int, host: torch.Tensor, piece: int) -> None:
-        contiguous = host.is_contiguous()
-        ptr = host.data_ptr()
-        sptr = host.untyped_storage().data_ptr() if contiguous else 0
-        last = plan.runs[-1] if plan.runs else None
-        if (
-            contiguous
-            and last is not None
-            and last.contiguous
-            and last.rows == 1
-            and last.piece == piece
-            and last.end_ptr == ptr
-            and last.storage_ptr == sptr
-            and last.lo + last.nbytes == lo
-        ):
-            last.nbytes += nbytes
-            last.end_ptr += nbytes
-            last.count += 1
-            return
-        if (
-            contiguous
-            and last is not None
-            and last.piece == piece
-            and last.extend_2d(lo, nbytes, host, sptr)
-        ):
-            return
-        plan.runs.append(_Run(lo, nbytes, host, contiguous, ptr + nbytes, sptr, piece))
-
-    def _fused_indices(self, plan: _Plan, transfer: TransferSpec) -> tuple[torch.Tensor, Any]:
-        """``(indices, check)``: ``[1, total]`` slots or ``[2, total]`` (block, offset) of the
-        staging tokens, int64 on the device (see ``_fused_by_slot``).
-
-        A host slot mapping is checked here, before anything is queued, and its indices go to
-        the device in one pinned copy (no sync). A device slot mapping is checked on the device:
-        ``check()`` raises ``ValueError`` for a bad slot once the device has answered (call it
-        before trusting a scatter); until then slots are clamped so no access goes out of bounds.
-        """
-        sm = transfer.slot_mapping
-        if len(plan.tokens) == 1:
-            a, b = plan.tokens[0]
-            slots = sm[a:b]
-        else:
-            slots = sm[plan.token_ids().to(sm.device)]
-        bs, limit = self.block_size, self.num_blocks * self.block_size
-        if len(plan.kept) == 1 and plan.kept[0] == (0, plan.total):
-            kept_pos: Any = None
-        elif len(plan.kept) == 1:
-            kept_pos = slice(*plan.kept[0])
-        else:
-            kept_pos = plan.kept_positions()
-
-        def token_ids() -> torch.Tensor:
-            ids = plan.token_ids()
-            return ids if kept_pos is None else ids[kept_pos]
-
-        rows = 1 if self._fused_by_slot else 2
-        if slots.device.type == "cpu" or self.device.type == "cpu":
-            slots = slots.to("cpu", torch.int64)
-            self._check_slots(slots if kept_pos is None else slots[kept_pos], token_ids)
-            if not self.backend.has_streams:
-                idx = torch.empty((rows, plan.total), dtype=torch.int64)
-                self._fill_indices(idx, slots)
-                return idx, lambda: None
-            with self._ring_lock:
-                slot = self._pinned_slot(rows * plan.total)
-                idx = slot[0][: rows * plan.total].view(rows, plan.total)
-                self._fill_indices(idx, slots)
-                on_dev = idx.to(self.device, non_blocking=True)
-                slot[1] = self.backend.event_after(self.backend.current_stream(self.device))
-            return on_dev, lambda: None
-        slots = slots.to(self.device, torch.int64)
-        on_dev = kept_pos.to(self.device) if isinstance(kept_pos, torch.Tensor) else kept_pos
-        kept = slots if on_dev is None else slots[on_dev]
-        if self._pinned_lo_hi is None:
-            self._pinned_lo_hi = self._pinned_int64(2)
-        lo_hi = self._pinned_lo_hi  # read back within this call (check), so reuse is safe
-        lo_hi.copy_(torch.stack(torch.aminmax(kept)), non_blocking=True)
-        answered = self.backend.event_after(self.backend.current_stream(self.device))
-        slots = slots.clamp(0, limit - 1)
-        if rows == 1:
-            idx = slots.view(1, -1)
-        else:
-            blocks = torch.div(slots, bs, rounding_mode="floor")
-            idx = torch.stack((blocks, slots - blocks * bs))
-
-        def check() -> None:
-            self.backend.event_synchronize(answered)
-            lo, hi = lo_hi.tolist()
-            if lo < 0 or hi >= limit:  # find the culprits on the host (error path only)
-                host = transfer.slot_mapping.to("cpu", torch.int64)[token_ids()]
-                self._check_slots(host, token_ids)
-
-        return idx, check
-
-    def _fill_indices(self, idx: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write ``[1, n]`` slots or ``[2, n]`` (block, offset) of host ``slots`` into ``idx``."""
-        if idx.shape[0] == 1:
-            idx[0] = slots
-        else:
-            torch.div(slots, self.block_size, rounding_mode="floor", out=idx[0])
-            torch.remainder(slots, self.block_size, out=idx[1])
-
-    pinned_ring: int = 8
-    """Pinned index buffers kept for reuse (CUDA)."""
-
-    def _pinned_slot(self, numel: int) -> list[Any]:
-        """A ``[pinned int64 buffer of at least numel, None]`` ring slot whose last upload has
-        finished; the caller records its new upload's event in slot ``[1]``.
-
-        Allocating pinned memory costs ~0.2 ms a call, so buffers are reused. A buffer whose
-        upload is still queued (a deferred store waits for the step's compute before its index
-        upload runs) is skipped rather than waited for; only with the whole ring busy does this
-        wait, for the oldest.
-        """
-        ring = self._pinned_idx
-        for slot in ring:
-            if slot[1] is None or self.backend.event_query(slot[1]):
-                if slot[0].numel() < numel:
-                    size = max(numel, 2 * slot[0].numel())
-                    slot[0] = self._pinned_int64(size)
-                slot[1] = None
-                ring.remove(slot)
-                ring.append(slot)  # most recently used last: the first busy one is the oldest
-                return slot
-        if len(ring) >= self.pinned_ring:
-            slot = ring.pop(0)
-            self.backend.event_synchronize(slot[1])
-            if slot[0].numel() < numel:
-                slot[0] = self._pinned_int64(numel)
-        else:
-            slot = [self._pinned_int64(max(numel, 1 << 12)), None]
-        slot[1] = None
-        ring.append(slot)
-        return slot
-
-    def _pinned_int64(self, numel: int) -> torch.Tensor:
-        """``[numel]`` int64 of page-locked host memory (the backend's, exact size)."""
-        return self.backend.pinned_empty(numel * 8).view(torch.int64)
+    def _fused_indices(self, plan: StagingPlan, transfer: TransferSpec) -> tuple[torch.Tensor, Any]:
+        """:meth:`SlotIndices.build <lmcache_vllm.slot_indices.SlotIndices.build>`: the device
+        indices of ``plan``'s staging tokens and the check to call before trusting a scatter."""
+        return self._indices.build(plan, transfer)
 
     def _op_views(
-        self, plan: _Plan, staging: torch.Tensor, layers: range, idx: torch.Tensor, op: _Op
+        self,
+        plan: StagingPlan,
+        staging: torch.Tensor,
+        layers: range,
+        idx: torch.Tensor,
+        op: StagingOp,
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """``(token index tensors [g, 1, n - t0] each, staging view [g, layers, n - t0, *row])``
         of one op."""
@@ -646,7 +249,7 @@ class FusedTransfer:
 
     def _split_kv(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[..., kv_width]`` -> K ``[..., H, head_k]`` and V ``[..., H, head_v]`` views."""
-        md = self.metadata
+        md = self.cache
         nk = md.num_kv_heads * md.head_size_k
         k = rows[..., :nk].unflatten(-1, (md.num_kv_heads, md.head_size_k))  # type: ignore[no-untyped-call]
         v = rows[..., nk:].unflatten(-1, (md.num_kv_heads, md.head_size_v))  # type: ignore[no-untyped-call]
@@ -656,13 +259,13 @@ class FusedTransfer:
         if self._fused_split:
             rows = src[tuple(index)]  # [..., H, head_k + head_v]
             k, v = self._split_kv(out)
-            k.copy_(rows[..., : self.metadata.head_size_k])
-            v.copy_(rows[..., self.metadata.head_size_k :])
+            k.copy_(rows[..., : self.cache.head_size_k])
+            v.copy_(rows[..., self.cache.head_size_k :])
         else:
             torch.ops.aten.index.Tensor_out(src, index, out=out)
 
     def _gather(
-        self, plan: _Plan, staging: torch.Tensor, layers: range, idx: torch.Tensor, piece: int
+        self, plan: StagingPlan, staging: torch.Tensor, layers: range, idx: torch.Tensor, piece: int
     ) -> None:
         """Gather every op of ``piece`` (all ops when ``piece < 0``) into staging."""
         for op in plan.ops:
@@ -680,7 +283,7 @@ class FusedTransfer:
 
     def _scatter(
         self,
-        plan: _Plan,
+        plan: StagingPlan,
         staging: torch.Tensor,
         layers: range,
         idx: torch.Tensor,
@@ -711,7 +314,7 @@ class FusedTransfer:
                 self._fused_layers[a + j].index_put_(per_layer, src[:, j])
 
     def _copy_runs(
-        self, plan: _Plan, staging: torch.Tensor, to_host: bool, piece: int = -1
+        self, plan: StagingPlan, staging: torch.Tensor, to_host: bool, piece: int = -1
     ) -> None:
         """Enqueue the host copies of ``plan`` (of ``piece``; all when ``piece < 0``) on the
         current stream: the contiguous one-row runs in one batched copy, strided runs as 2D
@@ -740,7 +343,7 @@ class FusedTransfer:
         if dsts:
             backend.copy_batch(dsts, srcs, stream)
 
-    def _copy_2d(self, r: _Run, staging: torch.Tensor, to_host: bool, stream: Any) -> None:
+    def _copy_2d(self, r: HostRun, staging: torch.Tensor, to_host: bool, stream: Any) -> None:
         """A strided run: ``r.rows`` rows of ``r.nbytes``, one 2D copy (row by row where the
         device has none)."""
         host = r.host.reshape(-1).view(torch.uint8)  # starts at row 0; all rows in its storage
@@ -757,7 +360,7 @@ class FusedTransfer:
         ``torch.OutOfMemoryError`` when the device has no room)."""
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def _copy_stream(self, plan: _Plan) -> Any:
+    def _copy_stream(self, plan: StagingPlan) -> Any:
         """The side stream for the host copies when ``plan`` has several pieces, else ``None``."""
         if plan.pieces <= 1:
             return None
@@ -772,40 +375,44 @@ class FusedTransfer:
         deferred = transfer.deferred and transfer.stream is not None
         return 0 if deferred and self.backend.has_streams else -1
 
-    def _fused_prepare(
+    def plans_ahead(self, transfer: TransferSpec) -> bool:
+        """Whether :meth:`prepare_store` can do a store's host side ahead: CUDA, and a slot
+        mapping on the host (a device one is checked through a buffer each call reuses)."""
+        return self.backend.has_streams and transfer.slot_mapping.device.type == "cpu"
+
+    def prepare_store(
         self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> _PreparedFrom | None:
-        """The host side of a later all-layer :meth:`_fused_from` of ``chunks``, done ahead:
-        the plan, and the slot indices uploaded on ``transfer.stream`` (CUDA, and a slot
-        mapping on the host: a device one is checked through a buffer each call reuses)."""
-        if not self.backend.has_streams or transfer.slot_mapping.device.type != "cpu":
+    ) -> PreparedStore | None:
+        """The host side of a later all-layer :meth:`from_cache` of ``chunks`` (checked by
+        the caller), done ahead: the plan, and the slot indices uploaded on ``transfer.stream``;
+        ``None`` unless :meth:`plans_ahead`."""
+        if not self.plans_ahead(transfer):
             return None
-        self.check_chunks(chunks, transfer)  # type: ignore[attr-defined]
         layers = range(self.num_layers)
         plan = self._plan(layers, chunks, 0, self._store_pieces(transfer))
         with self._stream_ctx(transfer):
             idx, check = self._fused_indices(plan, transfer)
             uploaded = self.backend.event_after(self.backend.current_stream(self.device))
-        return _PreparedFrom(layers, chunks, transfer.slot_mapping, plan, idx, check, uploaded)
+        return PreparedStore(layers, chunks, transfer.slot_mapping, plan, idx, check, uploaded)
 
-    def _checked_ahead(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> bool:
-        """A copy of the very chunk list and slot mapping that :meth:`_fused_prepare` checked
-        (a step's batched saves): no second check of every chunk."""
+    def checked_ahead(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> bool:
+        """A copy of the very chunk list and slot mapping that :meth:`prepare_store` planned
+        (checked by its caller; a step's batched saves): no second check of every chunk."""
         prep = transfer.prepared
         return (
-            isinstance(prep, _PreparedFrom)
+            isinstance(prep, PreparedStore)
             and prep.chunks is chunks
             and prep.slots is transfer.slot_mapping
         )
 
-    def _fused_from(
+    def from_cache(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
     ) -> None:
         backend = self.backend
         deferred = transfer.deferred and transfer.stream is not None and backend.has_streams
         try:
             prep = transfer.prepared
-            if not isinstance(prep, _PreparedFrom):
+            if not isinstance(prep, PreparedStore):
                 prep = None
             if prep is not None and prep.matches(layers, chunks, transfer):
                 plan = prep.plan  # planned while the step computed this KV
@@ -877,12 +484,12 @@ class FusedTransfer:
                 plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
             )
             if grouped:  # layer-major: group g of every chunk, then group g + 1
-                runs = _Plan(plan.row_bytes, plan.layer_bytes, [])
+                runs = StagingPlan(plan.row_bytes, plan.layer_bytes, [])
                 for piece, group in enumerate(groups):
                     pos = 0
                     for c in chunks:
                         n = c.num_tokens
-                        self._add_run(
+                        add_run(
                             runs,
                             pos * plan.row_bytes + group.start * n * plan.layer_bytes,
                             len(group) * n * plan.layer_bytes,
@@ -931,17 +538,16 @@ class FusedTransfer:
             if main != pre.stream:
                 backend.record_stream(pre.staging, main)
             self._scatter(plan, pre.staging[base:], full, idx, -1, only=layers)
-        self._last_stream = transfer.stream
         return True
 
-    def _fused_to(
+    def to_cache(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
+    ) -> bool:
         if transfer.staged is not None and self._fused_to_staged(layers, chunks, transfer):
-            return
+            return True
         plan = self._plan(layers, chunks, transfer.skip_tokens)
         if plan.total == 0:
-            return
+            return False
         with self._stream_ctx(transfer):
             nbytes = plan.total * plan.row_bytes
             try:
@@ -957,9 +563,10 @@ class FusedTransfer:
                         "room); loading such hits one layer at a time",
                         nbytes >> 20,
                     )
+                moved = False
                 for layer in layers:  # a 1/len(layers) staging buffer at a time
-                    self._fused_to(range(layer, layer + 1), chunks, transfer)
-                return
+                    moved = self.to_cache(range(layer, layer + 1), chunks, transfer) or moved
+                return moved
             idx, check = self._fused_indices(plan, transfer)
             copy = self._copy_stream(plan)
             if copy is None:
@@ -979,4 +586,11 @@ class FusedTransfer:
                 for piece in range(plan.pieces):
                     backend.wait_event(main, done[piece])
                     self._scatter(plan, staging, layers, idx, piece)
-        self._last_stream = transfer.stream
+        return True
+
+    def close(self) -> None:
+        """Drop the views and the pinned index buffers."""
+        self._caches = []
+        self._fused = None
+        self._fused_layers = None
+        self._indices.close()

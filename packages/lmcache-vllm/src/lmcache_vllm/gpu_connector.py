@@ -21,15 +21,24 @@ by the device default:
 - ``"mla"``: one latent per token, ``[num_blocks, block_size, latent]`` or
   ``[num_blocks, 1, block_size, latent]``.
 
-Which path moves the bytes:
+The connector checks the tensors against the metadata once, describes them as a
+:class:`~lmcache_vllm.paged_cache.PagedKVCache`, resolves the device backend
+(:func:`lmcache.devices.get_backend`: every stream, event, pinned buffer and host copy goes
+through it) and chooses a *transfer strategy* from them, which it holds as :attr:`transfer` and
+hands every transfer to (``_from``/``_to`` of :class:`LayerRangeConnector`, ``prepare_store``,
+``prefetch``). The strategy gets what it needs as constructor arguments and reads nothing of
+the connector:
 
-- ``cpu_kt_v`` on a CPU engine: :mod:`lmcache_vllm.cpu_block_transfer`, block by block straight
-  between the cache and the chunk buffers (no staging), all layers per op when they share a buffer.
-- ``kv_concat`` and ``mla`` whose layers are views of one buffer with a uniform step (how vLLM
-  allocates them): :mod:`lmcache_vllm.fused_transfer`, one strided all-layer view, chunk-major
-  staging, merged copy-engine DMAs.
-- anything else (layers in separate buffers, ``cpu_kt_v`` on a GPU): layer by layer, token by
-  token (:mod:`lmcache_vllm.kv_formats`), through a staging buffer.
+- ``cpu_kt_v`` on a CPU engine: :class:`~lmcache_vllm.cpu_block_transfer.CpuBlockTransfer`,
+  block by block straight between the cache and the chunk buffers (no staging), all layers per
+  op when they share a buffer.
+- ``kv_concat`` and ``mla`` (CPU, or a device with ``config.gpu_staging_buffer``) whose layers
+  are views of one buffer with a uniform step (how vLLM allocates them), or share strides:
+  :class:`~lmcache_vllm.fused_transfer.FusedTransfer`, one strided all-layer view (or one view
+  per layer), chunk-major staging, merged copy-engine DMAs, device copies ahead of a load.
+- anything else (layers that differ in strides, ``cpu_amx``, ``cpu_kt_v`` on a GPU, no device
+  staging): :class:`~lmcache_vllm.token_transfer.TokenTransfer`, layer by layer, token by token
+  (:mod:`lmcache_vllm.kv_formats`), through a staging buffer.
 
 This module never imports vLLM.
 """
@@ -44,10 +53,12 @@ import torch
 
 from lmcache.devices import DeviceBackend, get_backend
 from lmcache.gpu_connector.interface import ChunkTransfer, EngineInfo, KVLayoutError, TransferSpec
-from lmcache.gpu_connector.layer_range import LayerRangeConnector, engine_selector, moved_tokens
-from lmcache_vllm.cpu_block_transfer import KtVBlockTransfer
-from lmcache_vllm.fused_transfer import FusedTransfer
-from lmcache_vllm.kv_formats import KV_FORMATS, describe, gather_layer, scatter_layer
+from lmcache.gpu_connector.layer_range import LayerRangeConnector, engine_selector
+from lmcache_vllm.cpu_block_transfer import CpuBlockTransfer
+from lmcache_vllm.fused_transfer import FusedTransfer, Prefetched
+from lmcache_vllm.kv_formats import KV_FORMATS, describe
+from lmcache_vllm.paged_cache import PagedKVCache, PagedTransfer
+from lmcache_vllm.token_transfer import TokenTransfer
 
 if TYPE_CHECKING:
     from lmcache.config import LMCacheConfig
@@ -63,8 +74,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, LayerRangeConnector):
-    """Moves KV between vLLM's per-layer paged caches and canonical chunk buffers.
+class VLLMPagedConnector(LayerRangeConnector):
+    """Moves KV between vLLM's per-layer paged caches and canonical chunk buffers, through the
+    transfer strategy it chose at construction (:attr:`transfer`; see the module docstring).
 
     Args:
         config: lmcache configuration (``gpu_staging_buffer`` is read).
@@ -121,29 +133,43 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, LayerRangeConnector):
         if fmt not in KV_FORMATS:
             raise KVLayoutError(f"unknown kv_format {fmt!r}; expected one of {KV_FORMATS}")
         self.kv_format: str = fmt
-        self._caches = [self._normalise(i, t) for i, t in enumerate(caches)]
-        self.block_size: int = int(self._caches[0].shape[-2])
+        normalised = tuple(self._normalise(i, t) for i, t in enumerate(caches))
+        self.block_size: int = int(normalised[0].shape[-2])
         hinted = engine.extra.get("block_size")
         if hinted is not None and int(hinted) != self.block_size:
             raise KVLayoutError(
                 f"KV tensors have block_size {self.block_size} on axis -2 ({describe(first)}) "
                 f"but the engine reports block_size={hinted}"
             )
-        self.num_blocks: int = int(self._caches[0].shape[0])
+        self.num_blocks: int = int(normalised[0].shape[0])
         self.device = first.device
+        self.cache = PagedKVCache(
+            caches=normalised,
+            kv_format=fmt,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            num_kv_heads=metadata.num_kv_heads,
+            head_size_k=metadata.head_size_k,
+            head_size_v=metadata.head_size_v,
+            kv_width=metadata.kv_width,
+        )
         # The one place the device is resolved: every stream, event, pinned buffer and host
         # copy of this connector goes through this backend.
         self.backend: DeviceBackend = get_backend(self.device)
-        self._use_staging = bool(getattr(config, "gpu_staging_buffer", True))
-        self._init_fused()
-        # cpu_kt_v on a CPU engine: the block path (cpu_block_transfer), no staging.
-        self._kt_v_blocks = self.kv_format == "cpu_kt_v" and self.device.type == "cpu"
-        if self._kt_v_blocks:
-            self._setup_kt_v_blocks()
-        elif self.kv_format in ("kv_concat", "mla") and (
-            self.device.type == "cpu" or self._use_staging
-        ):
-            self._setup_fused()
+        use_staging = bool(getattr(config, "gpu_staging_buffer", True))
+        self.transfer: PagedTransfer = self._choose_transfer(use_staging)
+
+    def _choose_transfer(self, use_staging: bool) -> PagedTransfer:
+        """The transfer strategy of this cache (see the module docstring)."""
+        cache, on_cpu = self.cache, self.device.type == "cpu"
+        if cache.kv_format == "cpu_kt_v" and on_cpu:
+            return CpuBlockTransfer(cache)  # the block path, no staging
+        if cache.kv_format in ("kv_concat", "mla") and (on_cpu or use_staging):
+            fused = FusedTransfer.for_cache(cache, self.backend)
+            if fused is not None:
+                return fused
+        staging = self.device if use_staging else torch.device("cpu")
+        return TokenTransfer(cache, self.backend, staging)
 
     # -- geometry -------------------------------------------------------------------------
 
@@ -187,141 +213,49 @@ class VLLMPagedConnector(FusedTransfer, KtVBlockTransfer, LayerRangeConnector):
 
     @property
     def num_layers(self) -> int:
-        return len(self._caches)
+        return self.cache.num_layers
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._caches[0].dtype
-
-    # -- per-layer gather / scatter (token level) ----------------------------------------------
-
-    def _gather_layer(self, layer: int, blocks: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """KV of tokens at ``(blocks, offs)`` of one layer as ``[num_tokens, kv_width]``."""
-        return gather_layer(
-            self.kv_format, self._caches[layer], self.metadata.head_size_k, blocks, offs
-        )
-
-    def _scatter_layer(
-        self, layer: int, blocks: torch.Tensor, offs: torch.Tensor, src: torch.Tensor
-    ) -> None:
-        """Write ``src`` ``[num_tokens, kv_width]`` into one layer's slots."""
-        md = self.metadata
-        scatter_layer(
-            self.kv_format,
-            self._caches[layer],
-            md.num_kv_heads,
-            md.head_size_k,
-            md.head_size_v,
-            blocks,
-            offs,
-            src,
-        )
-
-    # -- request-level bookkeeping -------------------------------------------------------------
-
-    def _token_slots(
-        self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec, skip: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(positions in the staging tensor, block ids, block offsets)`` of moved tokens."""
-        idx, pos, slots = moved_tokens(chunks, transfer, skip)
-        self._check_slots(slots, lambda: idx)
-        blocks = torch.div(slots, self.block_size, rounding_mode="floor")
-        offs = slots - blocks * self.block_size
-        return pos.to(self.device), blocks.to(self.device), offs.to(self.device)
-
-    def _check_slots(self, slots: torch.Tensor, token_ids: Any) -> None:
-        """Raise ``ValueError`` unless every entry of ``slots`` (host, int64) is a valid slot;
-        ``token_ids()`` gives the request token index of each entry (for the message)."""
-        if slots.numel() == 0:
-            return
-        lo, hi = (int(x) for x in torch.aminmax(slots))
-        if lo < 0:
-            bad = token_ids()[slots < 0][:8].tolist()
-            raise ValueError(
-                f"slot mapping has -1 for tokens {bad} that a chunk transfers; every "
-                "transferred token needs a slot"
-            )
-        if hi >= self.num_blocks * self.block_size:
-            raise ValueError(
-                f"slot {hi} is beyond the cache ({self.num_blocks} blocks x "
-                f"{self.block_size} tokens)"
-            )
-
-    def _staging(self, layers: int, num_tokens: int) -> torch.Tensor:
-        where = self.device if self._use_staging else torch.device("cpu")
-        return torch.empty((layers, num_tokens, self.kv_width), dtype=self.dtype, device=where)
-
-    def _sync(self, transfer: TransferSpec) -> None:
-        """Wait for the transfer's stream, asleep (a blocking-sync event): the caller may be
-        a save thread waiting through a whole forward, which must not spin a core that the
-        engine's own thread could be sharing."""
-        backend = self.backend
-        if backend.has_streams:
-            stream = transfer.stream or backend.current_stream(self.device)
-            backend.event_synchronize(backend.event_after(stream, blocking=True))
+        return self.cache.dtype
 
     # -- transfers: LayerRangeConnector runs from_gpu, to_gpu and the layerwise methods --------
     # (to_gpu_layers: one _to over the range, one strided op and merged DMAs on the fused path)
 
     def _from(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        if self._kt_v_blocks:
-            self._kt_v_from(layers, chunks, transfer)
-            return
-        if self._fused_any:
-            self._fused_from(layers, chunks, transfer)
-            return
-        pos, blocks, offs = self._token_slots(chunks, transfer, 0)
-        with self._stream_ctx(transfer):
-            staging = self._staging(len(layers), pos.numel())
-            for i, layer in enumerate(layers):
-                staging[i].copy_(self._gather_layer(layer, blocks, offs), non_blocking=True)
-            start = 0
-            for c in chunks:
-                n = c.num_tokens
-                dst = c.buffer[layers.start : layers.stop]
-                dst.copy_(staging[:, start : start + n], non_blocking=True)
-                start += n
-        self._sync(transfer)
+        self.transfer.from_cache(layers, chunks, transfer)
+
+    def _to(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
+        if self.transfer.to_cache(layers, chunks, transfer):
+            self._last_stream = transfer.stream
+
+    def _checked_ahead(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> bool:
+        fused = self.transfer
+        return isinstance(fused, FusedTransfer) and fused.checked_ahead(chunks, transfer)
 
     def prepare_store(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> Any:
         """On the fused CUDA path, plan a later :meth:`from_gpu` of ``chunks`` now (before the
         step has written their KV): the staging layout, the host copies and the slot indices
         (uploaded on ``transfer.stream``, which the copy must use too). Else ``None``."""
-        if self._kt_v_blocks or not self._fused_any or not chunks:
+        fused = self.transfer
+        if not isinstance(fused, FusedTransfer) or not chunks or not fused.plans_ahead(transfer):
             return None
-        return self._fused_prepare(chunks, transfer)
+        self.check_chunks(chunks, transfer)
+        return fused.prepare_store(chunks, transfer)
 
-    def _to(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        if self._kt_v_blocks:
-            self._kt_v_to(layers, chunks, transfer)
-            return
-        if self._fused_any:
-            self._fused_to(layers, chunks, transfer)
-            return
-        pos, blocks, offs = self._token_slots(chunks, transfer, transfer.skip_tokens)
-        if pos.numel() == 0:
-            return
-        with self._stream_ctx(transfer):
-            staging = self._staging(len(layers), sum(c.num_tokens for c in chunks))
-            start = 0
-            for c in chunks:
-                n = c.num_tokens
-                staging[:, start : start + n].copy_(
-                    c.buffer[layers.start : layers.stop], non_blocking=True
-                )
-                start += n
-            staging = staging.to(self.device, non_blocking=True)
-            for i, layer in enumerate(layers):
-                self._scatter_layer(layer, blocks, offs, staging[i].index_select(0, pos))
-        self._last_stream = transfer.stream
+    def prefetch(
+        self, chunks: Sequence[ChunkTransfer], stream: Any, groups: Sequence[range] = ()
+    ) -> Prefetched | None:
+        """Copy whole chunks (all layers) to a device staging buffer now, on ``stream``, for a
+        later load (``TransferSpec.staged``); ``None`` unless the fused path on CUDA. See
+        :meth:`FusedTransfer.prefetch <lmcache_vllm.fused_transfer.FusedTransfer.prefetch>`."""
+        fused = self.transfer
+        if not isinstance(fused, FusedTransfer):
+            return None
+        return fused.prefetch(chunks, stream, groups)
 
     def close(self) -> None:
-        self._caches = []
-        self._fused = None
-        self._fused_layers = None
-        self._kt_v_sources = []
-        self._pinned_idx = []
-        self._pinned_lo_hi = None
+        self.transfer.close()
 
 
 select_cpu = engine_selector("vllm", "cpu", VLLMPagedConnector)

@@ -59,7 +59,7 @@ from lmcache_vllm.connector_metadata import (
     ReqMeta,
     WorkerStats,
 )
-from lmcache_vllm.fused_transfer import FusedTransfer
+from lmcache_vllm.gpu_connector import VLLMPagedConnector
 from lmcache_vllm.held_hits import HeldHits
 from lmcache_vllm.kv_registration import build_engine, order_caches
 from lmcache_vllm.lookup import LookupQuery, LookupServer
@@ -247,7 +247,7 @@ class WorkerSide:
             or hit.num_tokens <= 0
             or hit.prefetched is not None
             or lw is None
-            or not isinstance(connector, FusedTransfer)
+            or not isinstance(connector, VLLMPagedConnector)
         ):
             return
         nbytes = connector.chunk_nbytes(hit.num_tokens)

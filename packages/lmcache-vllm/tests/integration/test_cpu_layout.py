@@ -10,6 +10,7 @@ from lmcache.config import LMCacheConfig
 from lmcache.gpu_connector import ChunkTransfer, EngineInfo, TransferSpec
 from lmcache.metadata import LMCacheMetadata
 from lmcache_vllm.gpu_connector import VLLMPagedConnector
+from lmcache_vllm.kv_formats import gather_layer
 
 CASES = [
     (isa, dtype, block, head)
@@ -49,7 +50,8 @@ def test_connector_moves_what_vllm_cpu_kernel_writes(isa, dtype, block, head):
 
     conn = connector([cache])
     want = torch.cat((key.reshape(n, -1), value.reshape(n, -1)), dim=1)
-    assert torch.equal(conn._gather_layer(0, slots // block, slots % block), want), isa
+    got = gather_layer(fmt, conn.cache.caches[0], head, slots // block, slots % block)
+    assert torch.equal(got, want), isa
     # through the connector API: save chunks, load them into an empty cache, which must then
     # hold exactly the bytes vLLM's kernel wrote
     spans = [(s, min(s + block, n)) for s in range(0, n, block)]

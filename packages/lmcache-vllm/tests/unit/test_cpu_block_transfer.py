@@ -15,8 +15,10 @@ from lmcache.config import LMCacheConfig
 from lmcache.gpu_connector import ChunkTransfer, EngineInfo, TransferSpec
 from lmcache.memory.pinned_pool import ALIGNMENT
 from lmcache.metadata import LMCacheMetadata
+from lmcache_vllm.cpu_block_transfer import CpuBlockTransfer
 from lmcache_vllm.gpu_connector import VLLMPagedConnector
 from lmcache_vllm.testing.chunk_buffers import chunk_buffers as _buffers
+from lmcache_vllm.token_transfer import TokenTransfer
 
 BLOCK, NUM_BLOCKS, LAYERS, HEADS, HEAD, CHUNK = 4, 40, 3, 2, 8, 8
 N = 29  # tokens of the request
@@ -56,9 +58,9 @@ def _conn(caches: list[torch.Tensor], blocks: bool = True) -> VLLMPagedConnector
         EngineInfo("vllm", "cpu", caches, {"block_size": BLOCK}),
         {"kv_format": "cpu_kt_v"},
     )
-    assert conn._kt_v_blocks
-    if not blocks:
-        conn._kt_v_blocks = False  # the per-layer token path: the reference
+    assert isinstance(conn.transfer, CpuBlockTransfer)
+    if not blocks:  # the per-layer token path: the reference
+        conn.transfer = TokenTransfer(conn.cache, conn.backend, conn.device)
     return conn
 
 
@@ -171,17 +173,17 @@ def test_plan_groups_whole_chunks_and_leaves_edges_to_the_token_path():
     rng = [(0, 8), (8, 16), (16, 24), (24, 29)]
     with _buffers(conn, rng, "adjacent") as bufs:
         chunks = _chunks(rng, bufs)
-        groups, edges = conn._kt_v_plan(chunks, TransferSpec(_slots("aligned", 12)), 0)
+        groups, edges = conn.transfer._kt_v_plan(chunks, TransferSpec(_slots("aligned", 12)), 0)
         if conn.chunk_nbytes(CHUNK) % ALIGNMENT == 0:  # back to back in the slab: one group
             assert [g.count for g in groups] == [3, 1]
         assert [g.blocks.shape for g in groups][-1] == (1, 1)  # the tail's one whole block
         assert [p.tolist() for _, p in edges.parts] == [[4]]  # token 28: a partial block
         # skip mid-block: the first chunk's block 0 is partly held -> its 1 token goes alone
-        groups, edges = conn._kt_v_plan(chunks, TransferSpec(_slots("aligned", 12)), 3)
+        groups, edges = conn.transfer._kt_v_plan(chunks, TransferSpec(_slots("aligned", 12)), 3)
         assert groups[0].t0 == 4 and groups[0].blocks.shape == (1, 1)
         assert [p.tolist() for _, p in edges.parts] == [[3], [4]]
         # a request starting mid-block: no chunk-aligned whole blocks in the first chunk
-        groups, edges = conn._kt_v_plan(chunks, TransferSpec(_slots("mid", 12)), 0)
+        groups, edges = conn.transfer._kt_v_plan(chunks, TransferSpec(_slots("mid", 12)), 0)
         assert groups[0].t0 == 2 and edges.parts[0][1].tolist() == [0, 1, 6, 7]
 
 
@@ -218,7 +220,7 @@ def test_bad_slot_rejected_before_any_write(bad):
 )
 def test_layers_share_one_op_when_they_share_a_buffer(cache_layout, sources):
     conn = _conn(_caches(cache_layout, 15))
-    assert len(conn._kt_v_sources) == sources
-    widened = [s.vw is not None for s in conn._kt_v_sources]  # V rows as 16-byte elements
+    assert len(conn.transfer._kt_v_sources) == sources
+    widened = [s.vw is not None for s in conn.transfer._kt_v_sources]  # V rows as 16-byte elements
     # odd: layers 1 and 2 start at 2-byte offsets, so only layer 0's V widens
     assert widened == ([True, False, False] if cache_layout == "odd" else [True] * sources)

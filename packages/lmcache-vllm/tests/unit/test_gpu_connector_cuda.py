@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from lmcache.gpu_connector import EngineInfo
+from lmcache_vllm.fused_transfer import FusedTransfer
 from lmcache_vllm.gpu_connector import VLLMPagedConnector
+from lmcache_vllm.token_transfer import TokenTransfer
 
 from . import test_gpu_connector_conformance as cpu_suite
 
@@ -129,13 +131,13 @@ def test_fused_pipelined_matches_per_layer_llama_like(slots_on, tokens, alloc, m
         c = VLLMPagedConnector(
             LMCacheConfig(chunk_size=CS), md, EngineInfo("vllm", "cuda", views, {"block_size": P})
         )
-        assert (c._fused is not None) == (alloc == "one-buffer")
-        assert (c._fused_layers is not None) == (alloc == "per-layer")
+        assert (c.transfer._fused is not None) == (alloc == "one-buffer")
+        assert (c.transfer._fused_layers is not None) == (alloc == "per-layer")
         if not fused:
-            c._fused = c._fused_layers = None
+            c.transfer = TokenTransfer(c.cache, c.backend, c.device)
         return c
 
-    monkeypatch.setattr(VLLMPagedConnector, "pipeline_bytes", 1 << 20)
+    monkeypatch.setattr(FusedTransfer, "pipeline_bytes", 1 << 20)
     pages = torch.randperm(NB - 1)[: -(-tokens // P)] + 1
     slots = (pages[:, None] * P + torch.arange(P)).reshape(-1)[:tokens].to(slots_on)
     ranges = [(s, min(s + CS, tokens)) for s in range(0, tokens, CS)]
@@ -144,7 +146,7 @@ def test_fused_pipelined_matches_per_layer_llama_like(slots_on, tokens, alloc, m
     fast, ref = conn(src), conn(src, fused=False)
     leases = [pool.allocate(fast.chunk_shape(e - s), torch.bfloat16) for s, e in ranges]
     refs = [torch.empty(fast.chunk_shape(e - s), dtype=torch.bfloat16) for s, e in ranges]
-    assert fast._plan(range(L), [ChunkTransfer(s, e, x.tensor) for (s, e), x in zip(
+    assert fast.transfer._plan(range(L), [ChunkTransfer(s, e, x.tensor) for (s, e), x in zip(
         ranges, leases, strict=True)], 0).pieces > 1  # fmt: skip
     chunks = [ChunkTransfer(s, e, x.tensor) for (s, e), x in zip(ranges, leases, strict=True)]
     fast.from_gpu(chunks, TransferSpec(slots))
@@ -208,9 +210,9 @@ def test_prefetched_chunks_load_like_host_chunks(alloc, monkeypatch):
     pre = src.prefetch(chunks, stream)
     assert isinstance(pre, Prefetched)
     copies = []
-    real_copy_runs = type(src)._copy_runs
+    real_copy_runs = FusedTransfer._copy_runs
     monkeypatch.setattr(
-        type(src),
+        FusedTransfer,
         "_copy_runs",
         lambda self, *a, **k: (copies.append(1), real_copy_runs(self, *a, **k)),
     )
@@ -303,7 +305,7 @@ def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, monkeypat
             LMCacheConfig(chunk_size=CS), md, EngineInfo("vllm", "cuda", views, {"block_size": P})
         )
         if not fused:
-            c._fused = c._fused_layers = None
+            c.transfer = TokenTransfer(c.cache, c.backend, c.device)
         return c
 
     fast, ref = conn(), conn(fused=False)
@@ -329,9 +331,9 @@ def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, monkeypat
     ready = torch.cuda.Event()
     ready.record()
     built = []
-    real = type(fast)._fused_indices
+    real = FusedTransfer._fused_indices
     monkeypatch.setattr(
-        type(fast), "_fused_indices", lambda self, *a: (built.append(1), real(self, *a))[1]
+        FusedTransfer, "_fused_indices", lambda self, *a: (built.append(1), real(self, *a))[1]
     )
     checked = []
     check = type(fast).check_chunks

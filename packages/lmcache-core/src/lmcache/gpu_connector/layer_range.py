@@ -7,6 +7,7 @@
   ``to_gpu_layers``, the stream ordering and ``synchronize``.
 - :func:`moved_tokens`: which tokens of the chunks a transfer moves, and their slots.
 - :func:`engine_selector`: the registry selector of a ``"<engine>.<device>"`` key.
+- :func:`transfer_stream`: the stream context a transfer's copies run in.
 
 Nothing here imports an engine.
 """
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from lmcache.gpu_connector.registry import ConnectorSelector
     from lmcache.metadata import LMCacheMetadata
 
-__all__ = ["LayerRangeConnector", "engine_selector", "moved_tokens"]
+__all__ = ["LayerRangeConnector", "engine_selector", "moved_tokens", "transfer_stream"]
 
 
 def moved_tokens(
@@ -51,6 +52,14 @@ def moved_tokens(
         keep = idx >= skip
         idx, pos = idx[keep], pos[keep]
     return idx, pos, transfer.slot_mapping.to("cpu", torch.int64)[idx]
+
+
+def transfer_stream(backend: DeviceBackend, device: torch.device, transfer: TransferSpec) -> Any:
+    """Run on ``transfer.stream``, ordered after the work already queued on ``device``'s current
+    stream (the engine's writes of the KV being saved, or its reads of the pages)."""
+    if backend.has_streams and transfer.stream is not None:
+        backend.wait_stream(transfer.stream, backend.current_stream(device))
+    return backend.use_stream(transfer.stream)
 
 
 class LayerRangeConnector(GPUConnectorInterface, SupportsLayerwise):
@@ -116,12 +125,8 @@ class LayerRangeConnector(GPUConnectorInterface, SupportsLayerwise):
         self._checked(self._to, layers, chunks, transfer)
 
     def _stream_ctx(self, transfer: TransferSpec) -> Any:
-        """Run on ``transfer.stream``, ordered after the work already queued on the current
-        stream (the engine's writes of the KV being saved, or its reads of the pages)."""
-        backend = self.backend
-        if backend.has_streams and transfer.stream is not None:
-            backend.wait_stream(transfer.stream, backend.current_stream(self.device))
-        return backend.use_stream(transfer.stream)
+        """:func:`transfer_stream` of this connector's device."""
+        return transfer_stream(self.backend, self.device, transfer)
 
     def synchronize(self) -> None:
         backend = self.backend
