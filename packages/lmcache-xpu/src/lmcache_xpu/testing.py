@@ -178,7 +178,7 @@ class FakeXpu:
         current = getattr(self._local, "current", None)
         if current is None:
             current = self._local.current = {}
-        return current  # type: ignore[no-any-return]
+        return current
 
     def _recorders(self) -> list[_CopyRecorder]:
         """The thread's active copy recorders (only the innermost records a copy)."""
