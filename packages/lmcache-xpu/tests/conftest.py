@@ -58,7 +58,12 @@ def cuda_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return call
 
     for name in CUDA_FUNCTIONS:
-        monkeypatch.setattr(torch.cuda, name, forbid(name))
+        original = getattr(torch.cuda, name)
+        if isinstance(original, type):  # a class stays a class (annotations use `Stream | None`)
+            guarded = type(name, (original,), {"__new__": staticmethod(forbid(name))})
+            monkeypatch.setattr(torch.cuda, name, guarded)
+        else:
+            monkeypatch.setattr(torch.cuda, name, forbid(name))
 
     def is_available() -> bool:
         calls.append("is_available")
@@ -75,3 +80,7 @@ def xpu(cuda_calls: list[str]) -> Iterator[FakeXpu]:
     with fake_xpu() as fake:
         yield fake
     assert set(cuda_calls) <= {"is_available"}, cuda_calls
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "xpu: needs an Intel GPU (skips with a reason elsewhere)")
