@@ -4,7 +4,7 @@
 The README's two commands:
 
 - ``nox -s demo``: real vLLM on the CPU, a tiny model built locally, lmcache's CPU tier.
-- ``nox -s lint core install vllm sglang``: the test command CI runs (``.ci/run``).
+- ``nox -s lint core install vllm sglang xpu``: the test command CI runs (``.ci/run``).
 
 Other sessions: ``build`` (every package's wheel into ``dist/``), ``gpu`` (CUDA tests, skipped
 with a reason without a GPU) and ``bench`` (tier bandwidth, hit rate under eviction, TTFT).
@@ -33,7 +33,7 @@ import nox
 nox.needs_version = ">=2024.3.2"
 # pip (not uv): this machine's local torch files are found through pip's find-links only.
 nox.options.default_venv_backend = "virtualenv"
-nox.options.sessions = ["lint", "core", "install", "vllm", "sglang"]
+nox.options.sessions = ["lint", "core", "install", "vllm", "sglang", "xpu"]
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"
@@ -93,6 +93,7 @@ def lint(session: nox.Session) -> None:
         "packages/lmcache-core/src",
         "packages/lmcache-vllm/src",
         "packages/lmcache-sglang/src",
+        "packages/lmcache-xpu/src",
     )
 
 
@@ -104,7 +105,6 @@ def core(session: nox.Session) -> None:
     session.run(
         "pytest",
         "packages/lmcache-core/tests",
-        "packages/lmcache-xpu/tests",
         "-q",
         "--timeout=600",
         *session.posargs,
@@ -190,7 +190,8 @@ _CHECK_INSTALL = """
 import importlib.metadata as m, json, sys, pathlib
 import lmcache, lmcache_sglang, lmcache_vllm, lmcache_xpu
 eps = {e.name for e in m.entry_points(group="lmcache.gpu_connectors")}
-assert {"vllm.cpu", "vllm.cuda", "sglang.cpu", "sglang.cuda"} <= eps, eps
+assert {"vllm.cpu", "vllm.cuda", "vllm.xpu", "sglang.cpu", "sglang.cuda", "sglang.xpu"} <= eps, eps
+assert "xpu" in {e.name for e in m.entry_points(group="lmcache.devices")}
 for dist in ("lmcache-core", "lmcache-vllm", "lmcache-sglang", "lmcache-xpu"):
     assert m.version(dist) == lmcache.__version__, (dist, m.version(dist))
     url = json.loads(m.distribution(dist).read_text("direct_url.json") or "{}").get("url", "")
@@ -280,6 +281,19 @@ def sglang(session: nox.Session) -> None:
     # From the repository root: no folder there is named like the plug-in (SGLang's spawned
     # scheduler puts the launching script's folder first on sys.path).
     session.run("pytest", "packages/lmcache-sglang/tests", "-q", "--timeout=900", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def xpu(session: nox.Session) -> None:
+    """lmcache-xpu on the CPU: the XPU backend over a recording ``torch.xpu`` stand-in, the vLLM
+    and SGLang connector suites through ``vllm.xpu`` / ``sglang.xpu``, and real vLLM (CPU build)
+    with the stand-in forced in. The ``xpu``-marked hardware tests skip with a reason here."""
+    _install_vllm(session, ENGINE_VERSIONS["vllm"][0])
+    session.install("--no-deps", *_editable("lmcache-sglang", "lmcache-xpu"))
+    session.env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    session.run(
+        "pytest", "packages/lmcache-xpu/tests", "-q", "-rs", "--timeout=600", *session.posargs
+    )
 
 
 @nox.session(python=PYTHON)
