@@ -149,7 +149,8 @@ def _pip_line(lines: list[list[str]], *needles: str) -> list[str]:
     return found[0]
 
 
-@nox.session(python=PYTHON)
+# Never reused (even with -r): a user's venv is fresh, and pip would keep an earlier 0.1.0 of ours.
+@nox.session(python=PYTHON, reuse_venv=False)
 def install(session: nox.Session) -> None:
     """The README's install lines, verbatim, against the wheels in ``dist/``.
 

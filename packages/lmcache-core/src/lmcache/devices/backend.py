@@ -158,8 +158,8 @@ class DeviceBackend(ABC):
 
     @abstractmethod
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        """An uninitialised ``[nbytes]`` uint8 host tensor of exactly ``nbytes`` bytes, page
-        locked where the device supports it (plain memory otherwise). Unregistered when freed."""
+        """An uninitialised ``[nbytes]`` uint8 host tensor, page-locked where the device supports
+        it (plain memory otherwise); freed like any tensor."""
 
     def host_register(self, tensor: torch.Tensor) -> bool:
         """Page-lock an existing contiguous host tensor in place; ``False`` when not supported

@@ -2,8 +2,8 @@
 """The CUDA backend, and the CUDA runtime library (``libcudart``, through ctypes) it calls
 where torch has no equivalent: ``cudaMemcpyAsync`` (a few microseconds of host time, where a
 torch ``copy_`` costs several times that), ``cudaMemcpy2DAsync``, ``cudaMemcpyBatchAsync``
-(runtime 12.8+; probed once) and ``cudaHostRegister`` (page-locks an allocation of exactly the
-requested size: torch's pinned allocator rounds up to a power of two).
+(runtime 12.8+; probed once) and ``cudaHostRegister`` (page-locks a caller's allocation in
+place, :meth:`CudaBackend.host_register`).
 
 This is the only module of lmcache that calls ``torch.cuda``; everything else goes through
 :class:`CudaBackend` (``lmcache.devices.get_backend("cuda")``).
@@ -14,15 +14,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import mmap
 import os
 import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from lmcache.devices.backend import DeviceBackend, copy_pair
@@ -182,14 +179,6 @@ def _raw_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
     return src.is_cuda and dst.is_pinned()
 
 
-def _unregister(ptr: int) -> None:
-    rt = cudart()
-    if rt is not None:
-        err = rt.lib.cudaHostUnregister(ptr)
-        if err != 0:
-            rt.lib.cudaGetLastError()
-
-
 class CudaBackend(DeviceBackend):
     """NVIDIA GPUs through ``torch.cuda`` and ``libcudart``."""
 
@@ -265,32 +254,16 @@ class CudaBackend(DeviceBackend):
     # -- host memory -------------------------------------------------------------------------
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        """``[nbytes]`` uint8, page-locked with ``cudaHostRegister`` (exact size; unregistered
-        when the last view is freed). Without the runtime: torch's pinned allocator.
+        """``[nbytes]`` uint8 of page-locked host memory, from torch's pinned allocator.
 
-        Raises:
-            RuntimeError: the runtime could not page-lock the memory.
+        That allocator reserves a power of two per allocation. An exact-size variant
+        (``cudaHostRegister`` of an ``mmap``) was tried: on the H200 one of its registrations
+        once outlived its pages, and a later registration at the same address failed with
+        cudaError 712. Until that is explained, torch's allocator is used; :meth:`host_register`
+        page-locks a caller's own allocation in place.
         """
         nbytes = int(nbytes)
-        rt = cudart()
-        if rt is None or nbytes == 0:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0)
-        # Anonymous pages of its own (page-aligned, rounded up to a page, not to a power of
-        # two): registering memory that shares a page with another registration would fail.
-        pages = mmap.mmap(-1, max(nbytes, 1))
-        array = np.frombuffer(pages, dtype=np.uint8, count=nbytes)
-        ptr = int(array.ctypes.data)
-        err = rt.lib.cudaHostRegister(ptr, nbytes, 0)
-        if err != 0:
-            del array
-            pages.close()
-            rt.check(err, f"cudaHostRegister of {nbytes} bytes")
-        # torch keeps ``array`` (and through it the pages) alive as long as any view of the
-        # tensor; once the last is freed, unregister before the pages are unmapped.
-        # Not at interpreter exit: the CUDA runtime may already be torn down by then, and the
-        # process's exit frees the pages anyway.
-        weakref.finalize(array, _unregister, ptr).atexit = False
-        return torch.from_numpy(array)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0)
 
     def host_register(self, tensor: torch.Tensor) -> bool:
         rt = cudart()

@@ -230,8 +230,7 @@ class HostMemoryPool:
 
     Args:
         budget_bytes: Most bytes of host memory the pool ever holds (slabs included).
-        pin: Page-lock the slabs (fast DMA to/from a GPU), each of exactly its size, through
-            ``backend.pinned_empty``. ``None`` pins iff the backend is a device's (not the CPU's).
+        pin: Page-lock the slabs (fast DMA to/from a GPU) through ``backend.pinned_empty``. ``None`` pins iff the backend is a device's (not the CPU's).
         slab_bytes: Size of one shared slab. Allocations up to this size share slabs; larger
             ones get a slab of their own.
         prepin: Pin the whole budget ahead of need on a background thread (the default when
