@@ -19,6 +19,7 @@ adapter installed; a missing adapter is an ``ImportError`` naming its install co
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,21 @@ def _missing(key: str, engine: str, exc: ImportError) -> ImportError:
     )
 
 
+def _reuse(
+    engine_name: str,
+    module: str,
+    cls: str,
+    args: tuple[LMCacheConfig, LMCacheMetadata, EngineInfo, Mapping[str, Any] | None],
+) -> type[GPUConnectorInterface] | None:
+    """The ``<engine_name>.xpu`` selection: that adapter's own class, imported on first use."""
+    key = f"{engine_name}.xpu"
+    try:
+        connector = getattr(importlib.import_module(module), cls)
+    except ImportError as exc:
+        raise _missing(key, engine_name, exc) from exc
+    return engine_selector(engine_name, "xpu", connector)(*args)
+
+
 def select_vllm(
     config: LMCacheConfig,
     metadata: LMCacheMetadata,
@@ -47,13 +63,8 @@ def select_vllm(
     layout_hints: Mapping[str, Any] | None = None,
 ) -> type[GPUConnectorInterface] | None:
     """Selector of ``vllm.xpu``: :class:`lmcache_vllm.gpu_connector.VLLMPagedConnector`."""
-    try:
-        from lmcache_vllm.gpu_connector import VLLMPagedConnector
-    except ImportError as exc:
-        raise _missing("vllm.xpu", "vllm", exc) from exc
-    return engine_selector("vllm", "xpu", VLLMPagedConnector)(
-        config, metadata, engine, layout_hints
-    )
+    args = (config, metadata, engine, layout_hints)
+    return _reuse("vllm", "lmcache_vllm.gpu_connector", "VLLMPagedConnector", args)
 
 
 def select_sglang(
@@ -63,10 +74,5 @@ def select_sglang(
     layout_hints: Mapping[str, Any] | None = None,
 ) -> type[GPUConnectorInterface] | None:
     """Selector of ``sglang.xpu``: :class:`lmcache_sglang.gpu_connector.SGLangKVConnector`."""
-    try:
-        from lmcache_sglang.gpu_connector import SGLangKVConnector
-    except ImportError as exc:
-        raise _missing("sglang.xpu", "sglang", exc) from exc
-    return engine_selector("sglang", "xpu", SGLangKVConnector)(
-        config, metadata, engine, layout_hints
-    )
+    args = (config, metadata, engine, layout_hints)
+    return _reuse("sglang", "lmcache_sglang.gpu_connector", "SGLangKVConnector", args)

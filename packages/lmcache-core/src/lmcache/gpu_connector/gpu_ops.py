@@ -13,7 +13,6 @@ current stream and synchronize; the rest behaves as on a device without streams)
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch
 
 from lmcache.devices import registry as _registry
 from lmcache.devices.backend import DeviceBackend, copy_pair
+from lmcache.devices.cpu import CpuBackend
 from lmcache.devices.registry import DEVICE_ENTRY_POINT_GROUP, get_backend, register_backend
 
 __all__ = [
@@ -60,28 +60,20 @@ class HostDeviceOps:
     synchronize: Callable[[Any], None]
 
 
-class _OpsBackend(DeviceBackend):
+class _OpsBackend(CpuBackend):
     """A backend made of :class:`HostDeviceOps` (:func:`register_device_ops`): its copies,
-    current stream and synchronize; no streams of its own, events always complete."""
+    current stream and synchronize; no streams of its own and events always complete, as on
+    the CPU backend it extends."""
 
     def __init__(self, ops: HostDeviceOps) -> None:
         self.ops = ops
         self.device_type = ops.device_type
 
-    def is_available(self) -> bool:
-        return True
-
-    def device_count(self) -> int:
-        return 1
+    def device_for_rank(self, local_rank: int) -> torch.device:
+        return DeviceBackend.device_for_rank(self, local_rank)
 
     def current_stream(self, device: torch.device) -> Any:
         return self.ops.current_stream(device)
-
-    def new_stream(self, device: torch.device, priority: int = 0) -> Any:
-        return None
-
-    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
 
     def wait_stream(self, waiter: Any, stream: Any) -> None:
         self.ops.synchronize(stream)
@@ -89,26 +81,9 @@ class _OpsBackend(DeviceBackend):
     def synchronize(self, target: Any = None) -> None:
         self.ops.synchronize(None if isinstance(target, torch.device) else target)
 
-    def new_event(self, blocking: bool = False) -> Any:
-        from lmcache.devices.cpu import DoneEvent
-
-        return DoneEvent()
-
     def record_event(self, event: Any, stream: Any) -> Any:
         self.ops.synchronize(stream)  # the event completes when it is recorded
         return event
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        return None
-
-    def event_synchronize(self, event: Any) -> None:
-        return None
-
-    def event_query(self, event: Any) -> bool:
-        return True
-
-    def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(int(nbytes), dtype=torch.uint8)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
         d, s = copy_pair(dst, src, "copy")
