@@ -167,16 +167,26 @@ def _handle(stream: Any, dst: torch.Tensor, src: torch.Tensor) -> int:
     return int(stream.cuda_stream)
 
 
-def _raw_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
+def _raw_ok(dst: torch.Tensor, src: torch.Tensor, pinned: dict[int, bool] | None = None) -> bool:
     """Whether a raw runtime copy may move this pair: contiguous, one side on the device, and the
-    host side page-locked. Pageable host memory takes torch's copy, which stages it safely."""
+    host side page-locked. Pageable host memory takes torch's copy, which stages it safely.
+
+    ``pinned`` memoises the page-lock answer per host storage across one batch: its pieces
+    usually share a few pool slabs, and each answer is a driver call.
+    """
     if not (dst.is_contiguous() and src.is_contiguous()):
         return False
     if dst.is_cuda and src.is_cuda:
         return True
-    if dst.is_cuda:
-        return src.is_pinned()
-    return src.is_cuda and dst.is_pinned()
+    host = src if dst.is_cuda else dst
+    if host.is_cuda or not (dst.is_cuda or src.is_cuda):
+        return False
+    if pinned is None:
+        return host.is_pinned()
+    base = host.untyped_storage().data_ptr()
+    if base not in pinned:
+        pinned[base] = host.is_pinned()
+    return pinned[base]
 
 
 class CudaBackend(DeviceBackend):
@@ -287,9 +297,14 @@ class CudaBackend(DeviceBackend):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
         """One ``cudaMemcpyAsync`` for contiguous tensors with page-locked host memory, else torch's
         non-blocking copy on ``stream``."""
+        self._copy(dst, src, stream, None)
+
+    def _copy(
+        self, dst: torch.Tensor, src: torch.Tensor, stream: Any, pinned: dict[int, bool] | None
+    ) -> None:
         d, s = copy_pair(dst, src, "CudaBackend.copy")
         rt = cudart()
-        if rt is not None and _raw_ok(d, s):
+        if rt is not None and _raw_ok(d, s, pinned):
             n = d.numel() * d.element_size()
             if n:
                 err = rt.lib.cudaMemcpyAsync(
@@ -315,8 +330,9 @@ class CudaBackend(DeviceBackend):
             or len(dsts) < 2
             or not self._batch(rt, dsts, srcs, stream)
         ):
+            pinned: dict[int, bool] = {}
             for d, s in zip(dsts, srcs, strict=True):
-                self.copy(d, s, stream)
+                self._copy(d, s, stream, pinned)
 
     def _batch(
         self,
@@ -327,9 +343,10 @@ class CudaBackend(DeviceBackend):
     ) -> bool:
         n = len(dsts)
         dp, sp, sizes = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (ctypes.c_size_t * n)()
+        pinned: dict[int, bool] = {}
         for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)):
             d, s = copy_pair(d, s, "CudaBackend.copy_batch")
-            if not _raw_ok(d, s):
+            if not _raw_ok(d, s, pinned):
                 return False
             dp[i], sp[i], sizes[i] = d.data_ptr(), s.data_ptr(), d.numel() * d.element_size()
         handle = _handle(stream, dsts[0], srcs[0])
