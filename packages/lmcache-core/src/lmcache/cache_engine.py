@@ -58,12 +58,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from lmcache.config import ConfigError
+from lmcache.gpu_connector.checksums import LoadChecks
 from lmcache.gpu_connector.interface import (
     ChunkTransfer,
     GPUConnectorInterface,
     TransferSpec,
     supports_layerwise,
 )
+from lmcache.gpu_ops._ref import chunk_checksum
 from lmcache.held_hit import HeldHit
 from lmcache.layerwise import (
     LayerwiseRetrieve,
@@ -218,7 +220,9 @@ class LMCacheEngine:
                 "same KV caches the connector was given."
             )
         self.gpu_connector = gpu_connector
-        checksum = self.config.checksum_for(gpu_connector.engine.device)
+        checksum = self.config.checksum_for(
+            gpu_connector.engine.device, gpu_connector.verifies_checksums
+        )
         if checksum != self._tiers.checksum:
             self._tiers = dataclasses.replace(self._tiers, checksum=checksum)
 
@@ -393,12 +397,22 @@ class LMCacheEngine:
         return pending
 
     def _commit_store(
-        self, pending: Sequence[Pending], started: float, chain: Sequence[bytes] = ()
+        self,
+        pending: Sequence[Pending],
+        started: float,
+        chain: Sequence[bytes] = (),
+        sums: Sequence[int] | None = None,
     ) -> int:
         """Checksum the filled buffers and hand them to the tier; returns tokens stored.
 
-        ``chain`` (the request's keys) is then marked used in chain order.
+        ``sums`` are the chunks' ``lmcache-mix64-sum`` values computed by the connector on the
+        device. They stay with the bytes (``MemoryLease.checksum``), and the host does not
+        hash those chunks again. ``chain`` (the request's keys) is then marked used in chain
+        order.
         """
+        if sums is not None and self._tiers.checksum:
+            for p, value in zip(pending, sums, strict=True):
+                p.lease.checksum = value
         committed = cascade.publish(
             self._tiers, [(p.key, p.lease) for p in pending], [p.parent for p in pending]
         )
@@ -415,7 +429,13 @@ class LMCacheEngine:
         """
         run = self._hit_run(plan, plan.first_chunk, held)
         pending = [
-            Pending(key, ChunkTransfer(*plan.ranges[plan.first_chunk + n], lease.tensor), lease)
+            Pending(
+                key,
+                ChunkTransfer(
+                    *plan.ranges[plan.first_chunk + n], lease.tensor, checksum=lease.checksum
+                ),
+                lease,
+            )
             for n, (key, lease) in enumerate(run)
         ]
         self._touch(plan.keys[: plan.first_chunk + len(pending)])
@@ -427,6 +447,61 @@ class LMCacheEngine:
                 f"LMCacheEngine.{action}: held={held!r} was released before the {action}; its "
                 "chunks may be gone. Release it after the retrieve, or pass held=None."
             )
+
+    def _load_failures(
+        self, pending: Sequence[Pending], checks: Sequence[LoadChecks | None], skip_tokens: int
+    ) -> list[int]:
+        """Positions of the loaded chunks whose bytes did not match their checksum.
+
+        Call it after the connector's copies completed and before the leases go. A chunk the
+        connector verified before its scatter counts as it said. Partial sums of layer calls
+        are added up and compared. A chunk with a checksum that the connector did not check
+        is hashed here, on the host. Each bad chunk is counted in ``checksum_failures`` and
+        dropped from the CPU tier.
+        """
+        expected = [p.chunk.checksum for p in pending]
+        if all(e is None for e in expected):
+            return []
+        checked: set[int] = set()
+        failed: set[int] = set()
+        partial: dict[int, list[int]] = {}  # position -> [sum so far, layers covered]
+        for check in checks:
+            if check is None:
+                continue
+            if check.verified:
+                for pos, ok in zip(check.chunks, check.ok(), strict=True):
+                    checked.add(pos)
+                    if not ok:
+                        failed.add(pos)
+                continue
+            for pos, value in zip(check.chunks, check.sums(), strict=True):
+                acc = partial.setdefault(pos, [0, 0])
+                acc[0] += value
+                acc[1] += len(check.layers)
+        for pos, (total, layers) in partial.items():
+            if pos not in checked and layers == self.metadata.num_layers:
+                checked.add(pos)
+                if total % (1 << 64) != expected[pos]:
+                    failed.add(pos)
+        for pos, p in enumerate(pending):
+            want = expected[pos]
+            if want is None or pos in checked or p.chunk.end <= skip_tokens:
+                continue
+            if chunk_checksum(p.lease.tensor) != want:  # a connector that does not verify
+                failed.add(pos)
+        for pos in sorted(failed):
+            self.metrics.checksum_failures.inc()
+            logger.warning(
+                "Checksum mismatch for chunk %s loaded from the CPU tier: its bytes changed "
+                "after they were stored. Its tokens are reported as not loaded (the engine "
+                "recomputes them) and the chunk is dropped.",
+                pending[pos].key.hex(),
+            )
+            try:
+                self.tier.remove(pending[pos].key)
+            except Exception as exc:
+                self._tier_error("drop a bad chunk", exc)
+        return sorted(failed)
 
     def _hit_mask(self, plan: RequestPlan, pending: Sequence[Pending]) -> torch.Tensor:
         mask = torch.zeros(plan.num_tokens, dtype=torch.bool)
@@ -645,13 +720,17 @@ class LMCacheEngine:
             return self._hit_mask(plan, pending)
         try:
             try:
-                connector.to_gpu([p.chunk for p in pending], transfer)
+                checks = connector.to_gpu([p.chunk for p in pending], transfer)
             finally:
                 connector.synchronize()
+            failed = self._load_failures(pending, [checks], transfer.skip_tokens)
         finally:
             release_all(pending)
         self._count_loaded(pending, started)
-        return self._hit_mask(plan, pending)
+        mask = self._hit_mask(plan, pending)
+        for pos in failed:
+            mask[pending[pos].chunk.start : pending[pos].chunk.end] = False
+        return mask
 
     def store_layerwise(
         self,

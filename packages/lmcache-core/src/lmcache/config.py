@@ -139,11 +139,12 @@ class LMCacheConfig:
 
     checksum: bool | None = None
     """Store a checksum with every chunk in the CPU tier and verify it before use (a mismatch is
-    a miss). ``None`` (the default) means: on when the engine's KV lives in host memory (CPU
-    engines), off when it crosses PCIe (CUDA, XPU), where hashing on the host (~9 GB/s a
-    thread) cannot keep up with the copy (~50 GB/s on an H200) and would cost more than the
-    transfer it guards; :meth:`checksum_for` resolves it. The disk and remote tiers always
-    checksum their chunks, whatever this says."""
+    a miss, or a load error for the chunks it hits). ``None`` (the default) means on for CPU
+    engines and for GPU connectors that compute checksums on the device (vLLM's CUDA
+    connector: the store sums each chunk in staging, the load verifies it before scattering).
+    It means off for other GPU connectors, where hashing on the host (~9 GB/s a thread) would
+    cost more than the PCIe copy it guards. :meth:`checksum_for` resolves it. The disk and
+    remote tiers always checksum their chunks, whatever this says."""
 
     gpu_staging_buffer: bool = True
     """Gather KV into a GPU staging buffer and move it with one DMA copy per transfer."""
@@ -156,10 +157,15 @@ class LMCacheConfig:
             object.__setattr__(self, field.name, value)
         _check_combination(self.to_dict(), dict.fromkeys(_FIELD_KINDS, source))
 
-    def checksum_for(self, device_type: str) -> bool:
+    def checksum_for(self, device_type: str, on_device: bool = False) -> bool:
         """Whether the CPU tier checksums chunks of an engine whose KV is on ``device_type``
-        (``"cpu"``, ``"cuda"``, ...): ``checksum`` when set, else only for ``"cpu"``."""
-        return self.checksum if self.checksum is not None else device_type == "cpu"
+        (``"cpu"``, ``"cuda"``, ...).
+
+        ``checksum`` when set. Otherwise on for ``"cpu"``, and on when the connector computes
+        checksums on the device (``on_device``)."""
+        if self.checksum is not None:
+            return self.checksum
+        return device_type == "cpu" or on_device
 
     @property
     def max_local_cpu_bytes(self) -> int:

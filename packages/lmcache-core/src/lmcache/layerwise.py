@@ -18,10 +18,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums
 from lmcache.gpu_connector.interface import (
     ChunkTransfer,
     GPUConnectorInterface,
@@ -72,6 +73,9 @@ class StagedStore:
     complete, so the engine's pages may be reused from then on; :meth:`commit` then checksums
     the buffers and hands them to the tier (on another thread if the caller likes: it only
     reads host memory). :meth:`abort` drops them.
+
+    When the connector computed the chunks' checksums on the device, ``sums`` holds them from
+    position ``sums_at`` on (a batch's stores share one result).
     """
 
     def __init__(
@@ -80,11 +84,15 @@ class StagedStore:
         pending: list[Pending],
         chain: Sequence[bytes],
         started: float,
+        sums: StoreChecksums | None = None,
+        sums_at: int = 0,
     ) -> None:
         self._engine = engine
         self._pending = pending
         self._chain = chain
         self._started = started
+        self.sums = sums
+        self.sums_at = sums_at
         self._done = False
 
     @property
@@ -104,7 +112,10 @@ class StagedStore:
         if not self._pending:
             return 0
         try:
-            return self._engine._commit_store(self._pending, self._started, self._chain)
+            sums = None
+            if self.sums is not None:
+                sums = self.sums.values()[self.sums_at : self.sums_at + len(self._pending)]
+            return self._engine._commit_store(self._pending, self._started, self._chain, sums)
         finally:
             release_all(self._pending)
 
@@ -119,11 +130,11 @@ def _copy_or_abort(
     chunks: Sequence[ChunkTransfer],
     spec: TransferSpec,
     staged: Sequence[StagedStore],
-) -> None:
-    """One ``from_gpu`` call; on any error every staged store's buffers go back, then it is
-    raised."""
+) -> StoreChecksums | None:
+    """One ``from_gpu`` call, returning the checksums it computed; on any error every staged
+    store's buffers go back, then it is raised."""
     try:
-        connector.from_gpu(chunks, spec)
+        return connector.from_gpu(chunks, spec)
     except BaseException:
         for st in staged:
             st.abort()
@@ -193,7 +204,7 @@ class PlannedStore:
         if self._pending:
             spec = TransferSpec(self._slots) if transfer is None else transfer
             spec = dataclasses.replace(spec, prepared=self._prepared)
-            _copy_or_abort(self._gpu, self._chunks, spec, [staged])
+            staged.sums = _copy_or_abort(self._gpu, self._chunks, spec, [staged])
         return staged
 
     def _stage(self) -> StagedStore:
@@ -276,7 +287,11 @@ class StoreBatch:
         staged = [st._stage() for st in self._stores]
         if self._chunks:
             spec = dataclasses.replace(transfer, slot_mapping=self._slots, prepared=self._prepared)
-            _copy_or_abort(self._gpu, self._chunks, spec, staged)
+            sums = _copy_or_abort(self._gpu, self._chunks, spec, staged)
+            at = 0
+            for st, part in zip(staged, self._stores, strict=True):
+                st.sums, st.sums_at = sums, at
+                at += len(part._chunks)
         return staged
 
     def abort(self) -> None:
@@ -309,6 +324,7 @@ class _LayerwiseOp:
         self._started = started
         self._num_layers = engine.metadata.num_layers
         self._next_layer = 0
+        self._checks: list[LoadChecks | None] = []  # what each load call checked
         self._done = False
 
     def _check_layer(self, layer: int) -> None:
@@ -323,18 +339,20 @@ class _LayerwiseOp:
     def _step(
         self,
         layer: int,
-        move: Callable[[int, Sequence[ChunkTransfer], TransferSpec], None],
+        move: Callable[[int, Sequence[ChunkTransfer], TransferSpec], LoadChecks | None],
     ) -> None:
         """Run ``move`` for ``layer`` over every chunk; a failure aborts and is raised."""
         self._check_layer(layer)
         self._advance(layer + 1, lambda chunks: move(layer, chunks, self._transfer))
 
-    def _advance(self, stop: int, move: Callable[[list[ChunkTransfer]], None]) -> None:
+    def _advance(self, stop: int, move: Callable[[list[ChunkTransfer]], Any]) -> None:
         """Run ``move`` over every chunk (layers ``next .. stop - 1``), then move on to
-        ``stop``; a failure aborts and is raised."""
+        ``stop``; a failure aborts and is raised. A load's checks are kept for ``finish``."""
         if self._pending:
             try:
-                move([p.chunk for p in self._pending])
+                checks = move([p.chunk for p in self._pending])
+                if isinstance(checks, LoadChecks):
+                    self._checks.append(checks)
             except BaseException:
                 self.abort()
                 raise
@@ -469,8 +487,23 @@ class LayerwiseRetrieve(_LayerwiseOp):
     def finish(self) -> torch.Tensor:
         """Wait for the copies and release the buffers; returns bool ``[num_tokens]``, ``True``
         for the loaded tokens.
+
+        A chunk whose bytes did not match their checksum is not loaded: its tokens are
+        ``False`` (the engine's pages may hold anything there; report them as load errors).
         """
         self._check_complete()
+        if self._pending:
+            try:
+                self._gpu.synchronize()
+                failed = self._engine._load_failures(
+                    self._pending, self._checks, self._transfer.skip_tokens
+                )
+            except BaseException:
+                self.abort()
+                raise
+            for i in failed:
+                chunk = self._pending[i].chunk
+                self._mask[chunk.start : chunk.end] = False
         self.abort()  # synchronize + release
         if self._pending:
             self._engine._count_loaded(self._pending, self._started)

@@ -27,6 +27,7 @@ This module never imports vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 from lmcache.gpu_connector.layer_range import transfer_stream
 from lmcache_vllm.fused_plan import (
@@ -49,6 +51,7 @@ from lmcache_vllm.fused_plan import (
 from lmcache_vllm.kv_formats import describe
 from lmcache_vllm.paged_cache import PagedKVCache, fuse_layers, wait_for_transfer
 from lmcache_vllm.slot_indices import SlotIndices
+from lmcache_vllm.verified_scatter import ChunkChecksums, LoadIndex
 
 if TYPE_CHECKING:
     from lmcache.devices import DeviceBackend
@@ -90,6 +93,37 @@ class FusedTransfer:
         self._init_fused()
         self._setup_fused()
         self._indices = SlotIndices(cache, backend, self._fused_by_slot)
+        self._sums: ChunkChecksums | None = None
+        if backend.has_streams and self._fused_any:
+            self._sums = ChunkChecksums(cache, backend)
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Run one store and one verified load of a single page, so that the first request
+        finds streams, pinned index buffers, library symbols and kernels ready.
+
+        The store reads page 0. The load writes nothing: every slot is ``-1``.
+        """
+        n = self.block_size
+        nbytes = self.num_layers * n * self.kv_width * self._caches[0].element_size()
+        host = self.backend.pinned_empty(nbytes).view(self.dtype)
+        chunk = ChunkTransfer(0, n, host.view(self.num_layers, n, self.kv_width))
+        slots = torch.arange(n, dtype=torch.int64)
+        try:
+            sums = self.from_cache(range(self.num_layers), [chunk], TransferSpec(slots))
+            value = sums.values()[0] if sums is not None else None
+            unwritten = TransferSpec(torch.full((n,), -1, dtype=torch.int64))
+            stored = dataclasses.replace(chunk, checksum=value)
+            self.to_cache(range(self.num_layers), [stored], unwritten)
+            self._sync(unwritten)
+        except Exception as exc:  # an optimisation: a first request then pays for it instead
+            logger.warning("lmcache: warm-up transfer failed (%s); continuing without it", exc)
+
+    @property
+    def verifies_checksums(self) -> bool:
+        """Whether stores sum their chunks on the device and loads verify them there (a
+        device with streams)."""
+        return self._sums is not None
 
     @classmethod
     def for_cache(cls, cache: PagedKVCache, backend: DeviceBackend) -> FusedTransfer | None:
@@ -407,8 +441,12 @@ class FusedTransfer:
 
     def from_cache(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
+    ) -> StoreChecksums | None:
+        """Copy ``layers`` of the chunks out of the cache; with all layers on a device with
+        streams, also sum each chunk's staged bytes (returned, readable with the bytes)."""
         backend = self.backend
+        sums: StoreChecksums | None = None
+        summing = self._sums is not None and len(layers) == self.num_layers
         deferred = transfer.deferred and transfer.stream is not None and backend.has_streams
         try:
             prep = transfer.prepared
@@ -434,6 +472,9 @@ class FusedTransfer:
                     self._gather(plan, staging, layers, idx, -1)
                     if transfer.on_engine_read is not None:
                         transfer.on_engine_read()
+                    if summing:
+                        assert self._sums is not None
+                        sums = self._sums.store_sums(plan, staging)
                     self._copy_runs(plan, staging, to_host=True)
                 else:  # gather piece i + 1 while piece i goes to the host
                     main = backend.current_stream(self.device)
@@ -444,6 +485,9 @@ class FusedTransfer:
                             self._copy_runs(plan, staging, to_host=True, piece=piece)
                     if transfer.on_engine_read is not None:
                         transfer.on_engine_read()  # every gather is on main now
+                    if summing:
+                        assert self._sums is not None
+                        sums = self._sums.store_sums(plan, staging)
                     backend.wait_stream(main, copy)
             if not deferred:
                 self._sync(transfer)
@@ -452,6 +496,7 @@ class FusedTransfer:
             if deferred:  # the caller releases the buffers: no queued copy may still fill them
                 self._sync(transfer)
             raise
+        return sums
 
     def prefetch(
         self, chunks: Sequence[ChunkTransfer], stream: Any, groups: Sequence[range] = ()
@@ -511,9 +556,10 @@ class FusedTransfer:
 
     def _fused_to_staged(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> bool:
+    ) -> bool | LoadChecks:
         """Scatter ``layers`` from ``transfer.staged`` when it covers the chunks (waiting only
-        for the copy of those layers); ``False``: not used."""
+        for the copy of those layers); ``False``: not used. Chunks with checksums are verified
+        on the device (:meth:`_verify`)."""
         pre = transfer.staged
         backend = self.backend
         if not isinstance(pre, Prefetched) or not backend.has_streams:
@@ -521,6 +567,7 @@ class FusedTransfer:
         full = range(self.num_layers)
         key = [(c.start, c.end, c.buffer.data_ptr()) for c in chunks]
         cached = pre.scatter_plan
+        verify = self._verifying(chunks)
         with self._stream_ctx(transfer):
             if cached is not None and cached[0] is transfer and cached[1] == key:
                 plan, base, idx = cached[2:]  # checked when first built
@@ -530,22 +577,50 @@ class FusedTransfer:
                 if found is None:
                     return False
                 base = found
-                idx, check = self._fused_indices(plan, transfer)
-                check()
+                if verify:
+                    assert self._sums is not None
+                    idx = self._sums.load_index(plan, chunks, transfer)
+                else:
+                    idx, check = self._fused_indices(plan, transfer)
+                    check()
                 pre.scatter_plan = (transfer, key, plan, base, idx)
             main = backend.current_stream(self.device)
             backend.wait_event(main, pre.event_for(layers.stop))
             if main != pre.stream:
                 backend.record_stream(pre.staging, main)
+            if isinstance(idx, LoadIndex):
+                staged = pre.staging[base : base + plan.total * plan.row_bytes]
+                return self._verify(idx, staged, layers, staging_full=True)
             self._scatter(plan, pre.staging[base:], full, idx, -1, only=layers)
         return True
 
+    def _verifying(self, chunks: Sequence[ChunkTransfer]) -> bool:
+        """Whether a load of ``chunks`` goes through the verified scatter (checksums on the
+        device, and at least one chunk has a stored sum)."""
+        return self._sums is not None and any(c.checksum is not None for c in chunks)
+
+    def _verify(
+        self, index: LoadIndex, staging: torch.Tensor, layers: range, *, staging_full: bool
+    ) -> LoadChecks:
+        """The verified scatter of ``layers`` (all layers: verdicts before the scatter; some:
+        the sums of the bytes moved, compared by the engine at the end)."""
+        assert self._sums is not None
+        if len(layers) == self.num_layers:
+            return self._sums.verified_scatter(index, staging)
+        return self._sums.summed_scatter(index, staging, layers, staging_full=staging_full)
+
     def to_cache(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> bool:
-        if transfer.staged is not None and self._fused_to_staged(layers, chunks, transfer):
-            return True
-        plan = self._plan(layers, chunks, transfer.skip_tokens)
+    ) -> bool | LoadChecks:
+        """Copy ``layers`` of the chunks into the cache; ``False`` when nothing moved. Chunks
+        with checksums go through the verified scatter, whose checks are returned."""
+        if transfer.staged is not None:
+            from_staged = self._fused_to_staged(layers, chunks, transfer)
+            if from_staged is not False:
+                return from_staged
+        verify = self._verifying(chunks)
+        # verified: one piece, since every byte of a chunk must be in before its check
+        plan = self._plan(layers, chunks, transfer.skip_tokens, 0 if verify else -1)
         if plan.total == 0:
             return False
         with self._stream_ctx(transfer):
@@ -565,8 +640,13 @@ class FusedTransfer:
                     )
                 moved = False
                 for layer in layers:  # a 1/len(layers) staging buffer at a time
-                    moved = self.to_cache(range(layer, layer + 1), chunks, transfer) or moved
-                return moved
+                    moved = bool(self.to_cache(range(layer, layer + 1), chunks, transfer)) or moved
+                return moved  # per-layer checks are dropped: the engine verifies on the host
+            if verify:
+                assert self._sums is not None
+                index = self._sums.load_index(plan, chunks, transfer)
+                self._copy_runs(plan, staging, to_host=False)
+                return self._verify(index, staging, layers, staging_full=False)
             idx, check = self._fused_indices(plan, transfer)
             copy = self._copy_stream(plan)
             if copy is None:

@@ -222,12 +222,21 @@ class VLLMPagedConnector(LayerRangeConnector):
     # -- transfers: LayerRangeConnector runs from_gpu, to_gpu and the layerwise methods --------
     # (to_gpu_layers: one _to over the range, one strided op and merged DMAs on the fused path)
 
-    def _from(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        self.transfer.from_cache(layers, chunks, transfer)
+    @property
+    def verifies_checksums(self) -> bool:
+        """Whether the strategy sums chunks on the device and verifies loads there (the fused
+        path on a device with streams)."""
+        fused = self.transfer
+        return isinstance(fused, FusedTransfer) and fused.verifies_checksums
 
-    def _to(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        if self.transfer.to_cache(layers, chunks, transfer):
+    def _from(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> Any:
+        return self.transfer.from_cache(layers, chunks, transfer)
+
+    def _to(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> Any:
+        moved = self.transfer.to_cache(layers, chunks, transfer)
+        if moved is not False:
             self._last_stream = transfer.stream
+        return moved
 
     def _checked_ahead(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> bool:
         fused = self.transfer

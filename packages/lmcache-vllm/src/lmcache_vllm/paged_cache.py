@@ -26,6 +26,7 @@ import torch
 
 if TYPE_CHECKING:
     from lmcache.devices import DeviceBackend
+    from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums
     from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 
 __all__ = ["PagedKVCache", "PagedTransfer", "fuse_layers", "wait_for_transfer"]
@@ -95,18 +96,24 @@ class PagedTransfer(Protocol):
 
     def from_cache(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
+    ) -> StoreChecksums | None:
         """Copy ``layers`` of the chunks' tokens into ``buffer[layers]``; return when they are
-        on the host (or, ``transfer.deferred``, once the copies are enqueued)."""
+        on the host (or, ``transfer.deferred``, once the copies are enqueued).
+
+        Returns:
+            The chunks' checksums when the strategy computes them on the device, else ``None``.
+        """
 
     def to_cache(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> bool:
+    ) -> bool | LoadChecks:
         """Copy ``buffer[layers]`` of the chunks into the cache, except ``skip_tokens``.
 
         Returns:
-            Whether copies were enqueued on ``transfer.stream`` (what the connector's
-            ``synchronize`` then waits for); ``False`` when nothing moved.
+            ``False`` when nothing moved. Otherwise the copies are enqueued on
+            ``transfer.stream`` (what the connector's ``synchronize`` then waits for), and the
+            result is ``True`` or, for a strategy that checks chunks on the device, their
+            :class:`~lmcache.gpu_connector.checksums.LoadChecks`.
         """
 
     def close(self) -> None:

@@ -195,7 +195,12 @@ class WorkerSide:
         # the device backend of the caches: the worker's streams and events go through it
         self._backend = get_backend(first.device)
         self._layerwise = LayerwiseStep(
-            self._xfer_lock, self._saves, first.device, self._fail_whole_load, self._backend
+            self._xfer_lock,
+            self._saves,
+            first.device,
+            self._fail_whole_load,
+            self._backend,
+            on_chunks_rejected=self._chunks_rejected,
         )
         self._layer_ids = {n: i for i, n in enumerate(names)}
         self._async_loads = self._backend.has_streams
@@ -466,6 +471,22 @@ class WorkerSide:
         layer = self._layer_ids.get(layer_name)
         if layer is not None and self._layerwise is not None:
             self._layerwise.wait_layer(layer)
+
+    def _chunks_rejected(self, req: ReqMeta, loaded: torch.Tensor, lost: int) -> None:
+        """Chunks of an enqueued load failed their checksum on the device: their blocks (and
+        the rest of the load) become load errors, so vLLM recomputes them."""
+        outcome = load_outcome(req, loaded, self.block_size)
+        with self._stats_lock:
+            self._stats.loaded_tokens -= lost
+            self._stats.failed_load_tokens += lost
+        self._load_errors.update(outcome.bad_blocks)
+        logger.warning(
+            "lmcache: request %s: %d loaded tokens failed their checksum; blocks %s reported "
+            "to vLLM as load errors",
+            req.req_id,
+            lost,
+            outcome.bad_blocks,
+        )
 
     def _fail_whole_load(self, req: ReqMeta) -> None:
         load = req.load

@@ -99,6 +99,8 @@ class LayerwiseStep:
         saves: The worker's save queue (copies and commits).
         device: The KV caches' device (CUDA: streams and events; CPU: in order on the host).
         on_load_failed: Called with a request whose load failed (its blocks become load errors).
+        on_chunks_rejected: Called with a request, its final load mask and the tokens lost,
+            when chunks failed their checksum at the end of the load.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class LayerwiseStep:
         device: torch.device,
         on_load_failed: Callable[[ReqMeta], None],
         backend: DeviceBackend | None = None,
+        on_chunks_rejected: Callable[[ReqMeta, torch.Tensor, int], None] | None = None,
     ) -> None:
         self._lock = xfer_lock
         self._saves = saves
@@ -115,6 +118,7 @@ class LayerwiseStep:
         self._cuda = self._backend.has_streams  # streams: asynchronous copies and events
         self._device = device
         self._on_load_failed = on_load_failed
+        self._on_chunks_rejected = on_chunks_rejected
         self._loads: list[tuple[ReqMeta, LayerwiseRetrieve, HeldHit | None]] = []
         self._layer_ready: dict[int, Any] = {}  # layer -> CUDA event after its loads
         self._saving: list[PendingSave] = []
@@ -286,7 +290,11 @@ class LayerwiseStep:
         for req, retriever, held in self._loads:
             try:
                 with self._lock:
-                    retriever.finish()
+                    promised = retriever.num_hit_tokens
+                    loaded = retriever.finish()
+                lost = promised - int(loaded.sum())
+                if lost and self._on_chunks_rejected is not None:
+                    self._on_chunks_rejected(req, loaded, lost)
             except Exception as exc:  # layers missing: the forward did not call us per layer
                 logger.warning("lmcache: layerwise load of %s incomplete (%s)", req.req_id, exc)
                 self._on_load_failed(req)

@@ -6,8 +6,8 @@ Needs a CUDA GPU and a CUDA build of vLLM (skips with a reason otherwise; CI has
 offline GPU machine put an unpacked vLLM on ``PYTHONPATH`` first (the README's "Tests" section
 says how). Each case starts engines in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on a
 tiny random Llama built at test time; vLLM's V1 and V2 GPU model runners and its FLASH_ATTN and
-TRITON_ATTN backends are exercised, plus a corrupted CPU-tier chunk and the disk tier (pinned
-staging buffers, ``O_DIRECT`` reads).
+TRITON_ATTN backends are exercised, plus corrupted CPU-tier chunks (caught by the GPU
+checksums, on by default) and the disk tier (pinned staging buffers, ``O_DIRECT`` reads).
 """
 
 from __future__ import annotations
@@ -128,17 +128,24 @@ def test_store_reset_hit_identical(model_dir, baseline, runner, layerwise, backe
         reset_process_cpu_tiers()
 
 
-def test_corrupted_chunk_is_recomputed(model_dir, baseline):
-    """``checksum: true`` (off by default on CUDA): a bit flipped in a stored chunk's host
-    bytes: the hit ends before it, output unchanged."""
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("damage", ["flipped_bit", "other_chunk"])
+def test_corrupted_chunk_is_recomputed(model_dir, baseline, damage, runner, monkeypatch):
+    """Default settings: the store sums each chunk on the GPU, the load verifies it there.
+
+    A bit flipped in a stored chunk's host bytes, or a chunk overwritten with another chunk's
+    bytes, is caught before the scatter. Its blocks become load errors and vLLM recomputes
+    them: the output equals vLLM's alone, and the bad chunk leaves the tier.
+    """
     from lmcache import tiers
     from lmcache.tiers import reset_process_cpu_tiers
 
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if runner == "v2" else "0")
     reset_process_cpu_tiers()
     kv = {
         "kv_connector": "LMCacheConnectorV1",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"lmcache.chunk_size": CHUNK, "lmcache.checksum": True},
+        "kv_connector_extra_config": {"lmcache.chunk_size": CHUNK},
     }
     llm = _llm(model_dir, kv)
     try:
@@ -147,9 +154,16 @@ def test_corrupted_chunk_is_recomputed(model_dir, baseline):
         (tier,) = tiers.process_tier._tiers.values()
         entries = list(tier._entries.values())
         assert len(entries) == 2
-        for entry in entries:  # flip one bit in each chunk (chain order is not visible here)
-            entry.lease.tensor.view(-1).view(torch.uint8)[12345] ^= 0x10
-        assert _gen(llm, [PROMPT]) == [(baseline["prompt"], 0)]  # recomputed, same output
+        assert all(e.lease.checksum is not None and e.checksum is None for e in entries)
+        a, b = (e.lease.tensor.view(-1).view(torch.uint8) for e in entries)
+        if damage == "flipped_bit":
+            b[12345] ^= 0x10
+        else:
+            b.copy_(a)
+        assert _gen(llm, [PROMPT])[0][0] == baseline["prompt"]  # recomputed, same output
+        assert entries[1] not in tier._entries.values()  # the bad chunk was dropped
+        assert llm.reset_prefix_cache()
+        assert _gen(llm, [PROMPT]) == [(baseline["prompt"], 512)]  # stored again, whole
     finally:
         _shutdown(llm)
         reset_process_cpu_tiers()

@@ -21,7 +21,10 @@ from lmcache_vllm.testing.chunk_buffers import chunk_buffers as _buffers
 from lmcache_vllm.token_transfer import TokenTransfer
 
 BLOCK, NUM_BLOCKS, LAYERS, CHUNK = 4, 40, 3, 8
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# CUDA cases carry the ``gpu`` mark, so ``pytest -m gpu`` (``nox -s gpu``) runs them
+DEVICES = ["cpu"] + (
+    [pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else []
+)
 
 
 def _md(kind: str) -> LMCacheMetadata:

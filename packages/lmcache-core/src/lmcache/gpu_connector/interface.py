@@ -38,6 +38,7 @@ import torch
 
 if TYPE_CHECKING:
     from lmcache.config import LMCacheConfig
+    from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums
     from lmcache.metadata import LMCacheMetadata
 
 __all__ = [
@@ -127,11 +128,15 @@ class ChunkTransfer:
         end: One past the last token index.
         buffer: Host tensor of logical shape ``[num_layers, end - start, kv_width]`` and the
             KV dtype (see :meth:`GPUConnectorInterface.chunk_shape`).
+        checksum: Load only: the ``lmcache-mix64-sum`` the buffer's bytes had when they were
+            stored, or ``None``. A connector that :attr:`~GPUConnectorInterface.
+            verifies_checksums` scatters the chunk only when its staged bytes match it.
     """
 
     start: int
     end: int
     buffer: torch.Tensor
+    checksum: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -213,11 +218,25 @@ class GPUConnectorInterface(ABC):
             if buf.device.type != "cpu":
                 raise ValueError(f"Chunk {i}: buffer must be a host tensor, found {buf.device}.")
 
+    @property
+    def verifies_checksums(self) -> bool:
+        """Whether the connector computes chunk checksums on the device (``False`` here).
+
+        Such a connector returns :class:`~lmcache.gpu_connector.checksums.StoreChecksums` from
+        :meth:`from_gpu` and :class:`~lmcache.gpu_connector.checksums.LoadChecks` from
+        :meth:`to_gpu`. The cache engine verifies the chunks of any other connector on the
+        host."""
+        return False
+
     @abstractmethod
-    def from_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
+    def from_gpu(
+        self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> StoreChecksums | None:
         """Copy the KV of every chunk's tokens from the engine into the chunk buffers.
 
         One batched transfer for all chunks; returns when the host buffers hold the bytes.
+        A connector that :attr:`verifies_checksums` returns the chunks' checksums (readable
+        once the copies are complete); others return ``None``.
 
         Raises:
             ValueError: a buffer's shape/dtype does not match :meth:`chunk_shape`/``dtype``, or
@@ -240,11 +259,13 @@ class GPUConnectorInterface(ABC):
         return None
 
     @abstractmethod
-    def to_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
+    def to_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> LoadChecks | None:
         """Copy every chunk buffer into the engine's slots, skipping ``transfer.skip_tokens``.
 
         One batched transfer for all chunks. When it returns, the copies are enqueued on
         ``transfer.stream`` (or complete, for CPU engines); :meth:`synchronize` waits for them.
+        A connector that :attr:`verifies_checksums` returns what it checked of the chunks
+        with a ``checksum`` (readable after :meth:`synchronize`); others return ``None``.
 
         Raises:
             ValueError: as for :meth:`from_gpu`.
@@ -269,12 +290,12 @@ class SupportsLayerwise(ABC):
     @abstractmethod
     def to_gpu_layer(
         self, layer: int, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
+    ) -> LoadChecks | None:
         """Like :meth:`GPUConnectorInterface.to_gpu`, for ``buffer[layer]`` of each chunk only."""
 
     def to_gpu_layers(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
+    ) -> LoadChecks | None:
         """Like :meth:`to_gpu_layer` for a contiguous range of layers (step 1).
 
         The default calls :meth:`to_gpu_layer` per layer; a connector that can move several
@@ -283,6 +304,7 @@ class SupportsLayerwise(ABC):
         """
         for layer in layers:
             self.to_gpu_layer(layer, chunks, transfer)
+        return None  # per-layer checks are not combined here: the engine verifies on the host
 
 
 def supports_layerwise(connector: GPUConnectorInterface) -> bool:

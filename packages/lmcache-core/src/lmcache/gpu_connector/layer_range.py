@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums
 from lmcache.gpu_connector.interface import (
     ChunkTransfer,
     EngineInfo,
@@ -77,24 +78,31 @@ class LayerRangeConnector(GPUConnectorInterface, SupportsLayerwise):
     _last_stream: Any = None
 
     @abstractmethod
-    def _from(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        """Copy ``layers`` of the chunks' tokens into ``buffer[layers]``; return when on host."""
+    def _from(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> Any:
+        """Copy ``layers`` of the chunks' tokens into ``buffer[layers]``; return when on host.
+
+        Returns the chunks' :class:`~lmcache.gpu_connector.checksums.StoreChecksums` (all
+        layers only) or ``None``."""
 
     @abstractmethod
-    def _to(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        """Copy ``buffer[layers]`` of the chunks into the engine, except ``skip_tokens``."""
+    def _to(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> Any:
+        """Copy ``buffer[layers]`` of the chunks into the engine, except ``skip_tokens``.
+
+        Returns the :class:`~lmcache.gpu_connector.checksums.LoadChecks` of the call or
+        ``None``."""
 
     def _checked(
         self,
-        op: Callable[[range, Sequence[ChunkTransfer], TransferSpec], None],
+        op: Callable[[range, Sequence[ChunkTransfer], TransferSpec], Any],
         layers: range,
         chunks: Sequence[ChunkTransfer],
         transfer: TransferSpec,
-    ) -> None:
-        if chunks:
-            if not self._checked_ahead(chunks, transfer):
-                self.check_chunks(chunks, transfer)
-            op(layers, chunks, transfer)
+    ) -> Any:
+        if not chunks:
+            return None
+        if not self._checked_ahead(chunks, transfer):
+            self.check_chunks(chunks, transfer)
+        return op(layers, chunks, transfer)
 
     def _checked_ahead(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> bool:
         """Whether :meth:`prepare_store` has run :meth:`check_chunks` on these very chunks and
@@ -102,11 +110,14 @@ class LayerRangeConnector(GPUConnectorInterface, SupportsLayerwise):
         default."""
         return False
 
-    def from_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        self._checked(self._from, range(self.num_layers), chunks, transfer)
+    def from_gpu(
+        self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> StoreChecksums | None:
+        sums = self._checked(self._from, range(self.num_layers), chunks, transfer)
+        return sums if isinstance(sums, StoreChecksums) else None
 
-    def to_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
-        self._checked(self._to, range(self.num_layers), chunks, transfer)
+    def to_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> LoadChecks | None:
+        return self._load(range(self.num_layers), chunks, transfer)
 
     def from_gpu_layer(
         self, layer: int, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
@@ -115,14 +126,20 @@ class LayerRangeConnector(GPUConnectorInterface, SupportsLayerwise):
 
     def to_gpu_layer(
         self, layer: int, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
-        self._checked(self._to, range(layer, layer + 1), chunks, transfer)
+    ) -> LoadChecks | None:
+        return self._load(range(layer, layer + 1), chunks, transfer)
 
     def to_gpu_layers(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
+    ) -> LoadChecks | None:
         """Several layers in one transfer (one :meth:`_to` over the range)."""
-        self._checked(self._to, layers, chunks, transfer)
+        return self._load(layers, chunks, transfer)
+
+    def _load(
+        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> LoadChecks | None:
+        checks = self._checked(self._to, layers, chunks, transfer)
+        return checks if isinstance(checks, LoadChecks) else None
 
     def _stream_ctx(self, transfer: TransferSpec) -> Any:
         """:func:`transfer_stream` of this connector's device."""

@@ -118,6 +118,7 @@ class _Allocation:
     size: int
     view: torch.Tensor
     refs: int = 1
+    checksum: int | None = None  # lmcache-mix64-sum of the bytes as written on the device
 
 
 class MemoryLease:
@@ -165,6 +166,21 @@ class MemoryLease:
         """Bytes of the pool these bytes take (:attr:`nbytes` rounded up to :data:`ALIGNMENT`):
         what releasing the last lease on them gives back."""
         return self._alloc.size
+
+    @property
+    def checksum(self) -> int | None:
+        """The ``lmcache-mix64-sum`` of these bytes computed on the device that wrote them, or
+        ``None``.
+
+        Every lease on the same bytes sees the same value. The connector that loads the bytes
+        back verifies it before they enter the engine's pages.
+        """
+        return self._alloc.checksum
+
+    @checksum.setter
+    def checksum(self, value: int | None) -> None:
+        self._check("set lease.checksum")
+        self._alloc.checksum = value
 
     @property
     def released(self) -> bool:

@@ -373,7 +373,8 @@ def publish(
 ) -> int:
     """Commit filled chunk buffers: checksum, put into the CPU tier, write through below.
 
-    Checksums are taken when ``checksum``; with ``local_cpu`` each chunk is put into the CPU tier
+    Checksums are taken when ``checksum``, except of chunks that carry the device's sum
+    (``MemoryLease.checksum``); with ``local_cpu`` each chunk is put into the CPU tier
     (owner: the fingerprint; a failing ``put`` ends the run there); the committed run goes to
     :func:`write_through`. Counts ``stored_chunks`` and ``stored_bytes``. The caller keeps (and
     releases) its leases; the tiers hold shares of their own. Mark the chain used afterwards
@@ -395,8 +396,13 @@ def publish(
             "chunk (None for a chain's head) or parents=None."
         )
     checksums: list[int | None] = [None] * len(chunks)
-    if stack.checksum and chunks:
-        checksums = list(stack.cpu.checksums([lease.tensor for _, lease in chunks]))
+    # Chunks whose sum the device computed (``lease.checksum``) are verified on the device
+    # when they are loaded: hashing them again here would cost the host what the device saved.
+    todo = [i for i, (_, lease) in enumerate(chunks) if lease.checksum is None]
+    if stack.checksum and todo:
+        found = stack.cpu.checksums([chunks[i][1].tensor for i in todo])
+        for i, value in zip(todo, found, strict=True):
+            checksums[i] = value
     committed: list[tuple[bytes, MemoryLease, int | None]] = []
     for (key, lease), checksum, up in zip(chunks, checksums, ups, strict=True):
         if stack.local_cpu:

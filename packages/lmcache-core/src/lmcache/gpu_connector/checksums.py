@@ -1,0 +1,87 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Chunk checksums that a connector computes on the device, handed back to the cache engine.
+
+The checksum is ``lmcache-mix64-sum`` (:mod:`lmcache.gpu_ops._ref` defines it). A store
+returns :class:`StoreChecksums`: the sum of each chunk's bytes as the device wrote them to the
+host. The engine keeps each sum with the chunk's bytes (``MemoryLease.checksum``). A load
+returns :class:`LoadChecks`: for each chunk, either whether its staged bytes matched the
+expected sum before they were scattered, or the sum of the layers this call moved. Both hold
+pinned host tensors that the device fills. Read them only after the transfer completed
+(``synchronize()``, or the event the caller waits on for a deferred store).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["LoadChecks", "StoreChecksums", "unsigned64"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def unsigned64(value: int) -> int:
+    """The unsigned 64-bit value of an int64 checksum word (kernels store sums as int64)."""
+    return value & _MASK64
+
+
+class StoreChecksums:
+    """The checksums of a store's chunks, in the order of the chunks given to ``from_gpu``.
+
+    Args:
+        host: ``[num_chunks]`` int64 host tensor that the device fills.
+    """
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self._host = host
+
+    def values(self) -> list[int]:
+        """The unsigned sums; call once the store's copies are complete."""
+        return [unsigned64(v) for v in self._host.tolist()]
+
+
+class LoadChecks:
+    """What a load checked of its chunks on the device.
+
+    Args:
+        chunks: Positions, in the chunk list given to the connector, of the chunks checked.
+        ok: ``[len(chunks)]`` bool host tensor: the staged bytes matched the expected sum, and
+            only matching chunks were scattered. ``None`` when ``sums`` is given.
+        sums: ``[len(chunks)]`` int64 host tensor: the sum of the layers this call moved of
+            each chunk (the caller adds the calls' sums and compares them with the expected
+            sum once every layer has moved). ``None`` when ``ok`` is given.
+        layers: The layers this call moved.
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[int],
+        *,
+        ok: torch.Tensor | None = None,
+        sums: torch.Tensor | None = None,
+        layers: range = range(0),
+    ) -> None:
+        if (ok is None) == (sums is None):
+            raise ValueError("LoadChecks: expected exactly one of ok= and sums=.")
+        self.chunks = list(chunks)
+        self.layers = layers
+        self._ok = ok
+        self._sums = sums
+
+    @property
+    def verified(self) -> bool:
+        """Whether the chunks were verified before the scatter (``ok`` flags)."""
+        return self._ok is not None
+
+    def ok(self) -> list[bool]:
+        """Per checked chunk, whether it matched (verified loads only)."""
+        if self._ok is None:
+            raise ValueError("LoadChecks.ok(): this load returned partial sums, not verdicts.")
+        return [bool(v) for v in self._ok.tolist()]
+
+    def sums(self) -> list[int]:
+        """Per checked chunk, the unsigned sum of the layers moved (partial-sum loads only)."""
+        if self._sums is None:
+            raise ValueError("LoadChecks.sums(): this load was verified; read ok() instead.")
+        return [unsigned64(v) for v in self._sums.tolist()]

@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Device checksums of ``VLLMPagedConnector``'s fused path, against the reference.
+
+A store returns each chunk's ``lmcache-mix64-sum``, equal to :func:`lmcache.gpu_ops.
+chunk_checksum` of the host bytes. A load of chunks that carry sums scatters only the chunks
+that match: a corrupted chunk's slots keep their poison, the others equal the per-layer
+reference path bit for bit. Layer by layer, the sums of the layers moved add up to the chunk's
+sum. On CUDA the component is the connector's own; on the CPU it is attached for the test (a
+CPU engine hashes on the host instead), so the same checks run in CI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lmcache.gpu_connector import ChunkTransfer, TransferSpec
+from lmcache.gpu_ops import chunk_checksum
+from lmcache_vllm.fused_transfer import FusedTransfer
+from lmcache_vllm.token_transfer import TokenTransfer
+from lmcache_vllm.verified_scatter import ChunkChecksums
+
+from .test_gpu_connector_fastpath import BLOCK, DEVICES, NUM_BLOCKS, _caches, _conn, _md
+
+RANGES = [(0, 8), (8, 16), (16, 24), (24, 29)]
+
+
+def _checked_conn(kind: str, device: str, seed: int):
+    md = _md(kind)
+    conn = _conn(kind, md, _caches(kind, md, device, seed), fused=True)
+    fused = conn.transfer
+    assert isinstance(fused, FusedTransfer)
+    if fused._sums is None:  # CPU: attach the component the CUDA connector builds itself
+        fused._sums = ChunkChecksums(conn.cache, conn.backend)
+    return md, conn
+
+
+def chunk_buffers(conn, ranges, layout: str) -> list[ChunkTransfer]:
+    """Zeroed host chunks; ``scattered``: each in its own allocation, else one storage."""
+    if layout == "scattered":
+        bufs = [torch.zeros(conn.chunk_shape(e - s), dtype=conn.dtype) for s, e in ranges]
+    else:
+        flat = torch.zeros(sum(conn.chunk_nbytes(e - s) for s, e in ranges), dtype=torch.uint8)
+        bufs, at = [], 0
+        for s, e in ranges:
+            nb = conn.chunk_nbytes(e - s)
+            bufs.append(flat[at : at + nb].view(conn.dtype).view(conn.chunk_shape(e - s)))
+            at += nb
+    return [ChunkTransfer(s, e, b) for (s, e), b in zip(ranges, bufs, strict=True)]
+
+
+def _slots(n: int, seed: int, device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randperm((NUM_BLOCKS - 1) * BLOCK, generator=g)[:n] + BLOCK).to(device)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["lbnhc", "lbhnc", "uneven", "mla"])
+@pytest.mark.parametrize("skip", [0, 3, 9])
+def test_store_sums_and_verified_load(kind: str, device: str, skip: int) -> None:
+    md, src = _checked_conn(kind, device, 1)
+    n = RANGES[-1][1]
+    slots = _slots(n, 2, "cpu")
+    chunks = chunk_buffers(src, RANGES, "adjacent")
+    sums = src.from_gpu(chunks, TransferSpec(slots))
+    src.synchronize()
+    assert sums is not None
+    assert sums.values() == [chunk_checksum(c.buffer) for c in chunks]
+
+    chunks = [
+        dataclasses.replace(c, checksum=s) for c, s in zip(chunks, sums.values(), strict=True)
+    ]
+    chunks[1].buffer.reshape(-1).view(torch.uint8)[7] ^= 0x20  # one bit of chunk 1
+    _, dst = _checked_conn(kind, device, 3)
+    _, ref = _checked_conn(kind, device, 3)  # same poison: the reference loads good chunks
+    ref.transfer = TokenTransfer(ref.cache, ref.backend, ref.device)
+    out = _slots(n, 4, "cpu")
+    spec = TransferSpec(out, skip_tokens=skip)
+    checks = dst.to_gpu(chunks, spec)
+    dst.synchronize()
+    assert checks is not None and checks.verified
+    staged = [i for i, c in enumerate(chunks) if c.end > skip]
+    assert checks.chunks == staged
+    assert checks.ok() == [i != 1 for i in staged]
+    good = [c for i, c in enumerate(chunks) if i != 1]
+    ref.to_gpu(good, spec)
+    ref.synchronize()
+    for layer in range(md.num_layers):  # bad chunk's slots keep the poison, like ref's
+        assert torch.equal(_bits(dst.cache.caches[layer]), _bits(ref.cache.caches[layer]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["lbnhc", "mla"])
+def test_layerwise_load_sums_add_up(kind: str, device: str) -> None:
+    md, src = _checked_conn(kind, device, 5)
+    slots = _slots(RANGES[-1][1], 6, "cpu")
+    chunks = chunk_buffers(src, RANGES, "scattered")
+    sums = src.from_gpu(chunks, TransferSpec(slots))
+    src.synchronize()
+    assert sums is not None
+    chunks = [
+        dataclasses.replace(c, checksum=s) for c, s in zip(chunks, sums.values(), strict=True)
+    ]
+    chunks[2].buffer.reshape(-1).view(torch.uint8)[3] ^= 0x01
+    _, dst = _checked_conn(kind, device, 7)
+    total = [0] * len(chunks)
+    spec = TransferSpec(_slots(RANGES[-1][1], 8, "cpu"))
+    for layer in range(md.num_layers):
+        checks = dst.to_gpu_layer(layer, chunks, spec)
+        dst.synchronize()
+        assert (
+            checks is not None and not checks.verified and checks.layers == range(layer, layer + 1)
+        )
+        for pos, value in zip(checks.chunks, checks.sums(), strict=True):
+            total[pos] += value
+    got = [t % (1 << 64) for t in total]
+    assert got == [chunk_checksum(c.buffer) for c in chunks]
+    assert [g == c.checksum for g, c in zip(got, chunks, strict=True)] == [True, True, False, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="prefetch needs a CUDA device (streams)")
+def test_prefetched_load_is_verified_too() -> None:
+    _, src = _checked_conn("lbnhc", "cuda", 9)
+    slots = _slots(RANGES[-1][1], 10, "cpu")
+    chunks = chunk_buffers(src, RANGES, "adjacent")
+    sums = src.from_gpu(chunks, TransferSpec(slots))
+    src.synchronize()
+    assert sums is not None
+    chunks = [
+        dataclasses.replace(c, checksum=s) for c, s in zip(chunks, sums.values(), strict=True)
+    ]
+    chunks[0].buffer.reshape(-1).view(torch.uint8)[11] ^= 0x80
+    _, dst = _checked_conn("lbnhc", "cuda", 11)
+    stream = dst.backend.new_stream(dst.device)
+    staged = dst.prefetch(chunks, stream)
+    assert staged is not None
+    checks = dst.to_gpu(chunks, TransferSpec(_slots(RANGES[-1][1], 12, "cpu"), staged=staged))
+    dst.synchronize()
+    assert checks is not None and checks.ok() == [False, True, True, True]
