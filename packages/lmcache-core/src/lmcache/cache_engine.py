@@ -570,6 +570,29 @@ class LMCacheEngine:
         self._touch(plan.keys[: len(chunks)])
         return HeldHit(chunks, self._count_lookup(plan, len(chunks)))
 
+    def cut_held_hit(self, hit: HeldHit, ok: Sequence[bool]) -> None:
+        """Shorten ``hit`` to the chunks before the first one whose bytes failed their checksum
+        (``ok[i]`` is ``False``); each failed chunk is counted and dropped from the CPU tier.
+
+        For a caller that verified the held chunks itself, e.g. on the device right after the
+        lookup, so that a bad chunk is a miss before anything was promised to the engine.
+        """
+        bad = [i for i, good in enumerate(ok) if not good]
+        if not bad:
+            return
+        for i in bad:
+            self.metrics.checksum_failures.inc()
+            logger.warning(
+                "Checksum mismatch for chunk %s in the CPU tier: its bytes changed after they "
+                "were stored. Treating it as a miss and dropping it.",
+                hit.keys[i].hex(),
+            )
+            try:
+                self.tier.remove(hit.keys[i])
+            except Exception as exc:
+                self._tier_error("drop a bad chunk", exc)
+        hit.truncate(bad[0], bad[0] * self.chunk_size)
+
     def _count_lookup(self, plan: RequestPlan, found: int) -> int:
         hit = plan.ranges[found - 1][1] if found else 0
         self.metrics.lookup_requests.inc()

@@ -93,6 +93,36 @@ class HeldHit:
                 raise LeaseError(f"HeldHit of {len(self.keys)} chunk(s) was released")
             return [self._leases[key].tensor for key in self.keys]
 
+    def checksums(self) -> list[int | None]:
+        """The device checksum stored with each held chunk (``MemoryLease.checksum``), in
+        chain order; ``None`` for a chunk stored without one.
+
+        Raises:
+            LeaseError: the hit was released.
+        """
+        with self._lock:
+            if self._released:
+                raise LeaseError(f"HeldHit of {len(self.keys)} chunk(s) was released")
+            return [self._leases[key].checksum for key in self.keys]
+
+    def truncate(self, num_chunks: int, num_tokens: int) -> None:
+        """Keep only the first ``num_chunks`` chunks, covering ``num_tokens`` tokens, and
+        release the leases of the others (e.g. from a chunk that failed its checksum on).
+
+        Raises:
+            ValueError: ``num_chunks`` is not within ``0 .. len(self)``.
+        """
+        if not 0 <= num_chunks <= len(self.keys):
+            raise ValueError(
+                f"HeldHit.truncate({num_chunks}): expected 0 <= num_chunks <= {len(self.keys)}."
+            )
+        with self._lock:
+            dropped = [self._leases.pop(key) for key in self.keys[num_chunks:]]
+            self.keys = self.keys[:num_chunks]
+            self.num_tokens = num_tokens
+        for lease in dropped:
+            lease.release()
+
     def release(self) -> None:
         """Release every held lease (idempotent); the chunks become evictable again."""
         with self._lock:

@@ -594,6 +594,23 @@ class FusedTransfer:
             self._scatter(plan, pre.staging[base:], full, idx, -1, only=layers)
         return True
 
+    def verify_chunks(
+        self, chunks: Sequence[ChunkTransfer], stream: Any, prefetched: Prefetched | None
+    ) -> list[bool] | None:
+        """Check whole chunks against their ``checksum`` on the device now, on ``stream``, and
+        wait (``None``: this path computes no checksums). A ``prefetched`` copy that holds the
+        chunks from its first one on is checked in place, after its copy."""
+        if self._sums is None or not chunks:
+            return None
+        staged = None
+        if prefetched is not None and prefetched.chunks[: len(chunks)] == [
+            (c.start, c.end, c.buffer.data_ptr()) for c in chunks
+        ]:
+            self.backend.wait_event(stream, prefetched.event)
+            self.backend.record_stream(prefetched.staging, stream)
+            staged = (prefetched.staging, prefetched.offsets)
+        return self._sums.verify_chunks(chunks, stream, staged)
+
     def _verifying(self, chunks: Sequence[ChunkTransfer]) -> bool:
         """Whether a load of ``chunks`` goes through the verified scatter (checksums on the
         device, and at least one chunk has a stored sum)."""

@@ -263,6 +263,17 @@ class VLLMPagedConnector(LayerRangeConnector):
             return None
         return fused.prefetch(chunks, stream, groups)
 
+    def verify_chunks(
+        self, chunks: Sequence[ChunkTransfer], stream: Any, prefetched: Prefetched | None = None
+    ) -> list[bool] | None:
+        """Whether each chunk's host bytes match its ``checksum``, checked on the device now
+        (waits); ``None`` unless :attr:`verifies_checksums`. See :meth:`FusedTransfer.
+        verify_chunks <lmcache_vllm.fused_transfer.FusedTransfer.verify_chunks>`."""
+        fused = self.transfer
+        if not isinstance(fused, FusedTransfer):
+            return None
+        return fused.verify_chunks(chunks, stream, prefetched)
+
     def close(self) -> None:
         self.transfer.close()
 

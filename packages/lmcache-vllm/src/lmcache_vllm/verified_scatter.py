@@ -13,6 +13,9 @@ device with streams. It uses the ``torch.ops.lmcache`` kernels through :mod:`lmc
   then writes every layer of the chunks that matched. A chunk that did not match keeps its
   slots at ``-1``, so none of its bytes reach the engine's pages. The verdicts go back as
   :class:`~lmcache.gpu_connector.checksums.LoadChecks`.
+- **Before a load.** :meth:`ChunkChecksums.verify_chunks` checks a hit right after its lookup,
+  in its device copy or through a scratch buffer, and waits. A bad chunk is then a miss, before
+  vLLM is promised its tokens.
 - **Load, some layers** (a layerwise load). The same ``scatter_kv`` launch returns the sums of
   the layers it moved. The cache engine adds the calls' sums and compares them at the end.
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -174,6 +177,64 @@ class ChunkChecksums:
             staging_full=staging_full,
         )
         return LoadChecks(index.positions, sums=self._download(sums), layers=layers)
+
+    # -- verify ahead of a load -----------------------------------------------------------------
+
+    scratch_bytes: int = 256 << 20
+    """Device buffer through which :meth:`verify_chunks` checks chunks with no device copy."""
+
+    def verify_chunks(
+        self,
+        chunks: Sequence[ChunkTransfer],
+        stream: Any,
+        staged: tuple[torch.Tensor, Sequence[int]] | None = None,
+    ) -> list[bool]:
+        """Whether each chunk's bytes match its ``checksum`` (``True`` without one); waits.
+
+        ``staged``: a device copy of the chunks, back to back (the buffer and each chunk's
+        byte offset in it, e.g. a hit's prefetch), enqueued on ``stream``; it is checked in
+        place. Without it the chunks are copied through a scratch buffer of at most
+        :attr:`scratch_bytes`, piece by piece, on ``stream``.
+        """
+        sizes = [c.buffer.numel() * c.buffer.element_size() for c in chunks]
+        expected = [c.checksum for c in chunks]
+        backend = self.backend
+        parts: list[torch.Tensor] = []
+        with backend.use_stream(stream):
+            if staged is not None:
+                buf, offs = staged
+                bounds = [*offs[: len(chunks)], offs[len(chunks) - 1] + sizes[-1]]
+                parts.append(self._check(buf, bounds, expected))
+            else:
+                cap = max(self.scratch_bytes, max(sizes))
+                scratch = torch.empty(min(cap, sum(sizes)), dtype=torch.uint8, device=self.device)
+                i = 0
+                while i < len(chunks):
+                    j, at, bounds = i, 0, [0]
+                    while j < len(chunks) and (j == i or at + sizes[j] <= cap):
+                        src = chunks[j].buffer.reshape(-1).view(torch.uint8)
+                        backend.copy(scratch[at : at + sizes[j]], src, stream)
+                        at += sizes[j]
+                        bounds.append(at)
+                        j += 1
+                    parts.append(self._check(scratch, bounds, expected[i:j]))
+                    i = j
+            done = backend.event_after(stream)
+        backend.event_synchronize(done)
+        return [bool(v) for part in parts for v in part.tolist()]
+
+    def _check(
+        self, data: torch.Tensor, bounds: Sequence[int], expected: Sequence[int | None]
+    ) -> torch.Tensor:
+        """Enqueue: whether each byte range ``[bounds[i], bounds[i + 1])`` of ``data`` sums to
+        ``expected[i]`` (a host tensor, readable once the stream's work completes)."""
+        meta = [*bounds, *(_signed(e) if e is not None else 0 for e in expected)]
+        meta += [int(e is not None) for e in expected]
+        dev = self._upload(torch.tensor(meta, dtype=torch.int64))
+        k = len(expected)
+        sums = gpu_ops.checksum_chunks(data, dev[: k + 1])
+        ok = (sums == dev[k + 1 : 2 * k + 1]) | (dev[2 * k + 1 :] == 0)
+        return self._download(ok)
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` on the device, through page-locked memory, without a host wait."""

@@ -59,6 +59,7 @@ from lmcache_vllm.connector_metadata import (
     ReqMeta,
     WorkerStats,
 )
+from lmcache_vllm.fused_plan import Prefetched
 from lmcache_vllm.gpu_connector import VLLMPagedConnector
 from lmcache_vllm.held_hits import HeldHits
 from lmcache_vllm.kv_registration import build_engine, order_caches
@@ -233,8 +234,42 @@ class WorkerSide:
             hit.release()  # a save of the missing chunks was queued: look again
             hit = engine.lookup_and_lease(query.tokens, salt=query.salt, extra_keys=extra)
         self._prefetch(engine, hit)
+        self._verify(engine, hit)
         self._held.put(query.req_id, hit, len(query.tokens), query.salt)
         return hit.num_tokens
+
+    def _verify(self, engine: LMCacheEngine, hit: HeldHit) -> None:
+        """CUDA: check the hit's chunks against their stored checksums on the device now (in
+        the prefetch's device copy, else through a scratch buffer) and cut the hit before the
+        first bad one. vLLM is then promised only verified tokens: a bad chunk is a miss, not
+        a load error (which vLLM's default ``kv_load_failure_policy`` turns into a failed
+        request). The load verifies the bytes again as it scatters them."""
+        connector = engine.gpu_connector
+        lw = self._layerwise
+        if (
+            hit.num_tokens <= 0
+            or lw is None
+            or lw.copy_stream is None
+            or not isinstance(connector, VLLMPagedConnector)
+            or not connector.verifies_checksums
+        ):
+            return
+        sums = hit.checksums()
+        if all(s is None for s in sums):
+            return
+        size = self.chunk_size
+        chunks = [
+            ChunkTransfer(i * size, min((i + 1) * size, hit.num_tokens), t, checksum=s)
+            for i, (t, s) in enumerate(zip(hit.tensors(), sums, strict=True))
+        ]
+        pre = hit.prefetched if isinstance(hit.prefetched, Prefetched) else None
+        try:
+            ok = connector.verify_chunks(chunks, lw.copy_stream, pre)
+        except Exception as exc:  # the load verifies again: a failure here only costs time
+            logger.warning("lmcache: could not verify a hit at lookup (%s)", exc)
+            return
+        if ok is not None:
+            engine.cut_held_hit(hit, ok)
 
     prefetch_budget_bytes: int = 2 << 30
     """Device memory that hits copied ahead of their load may hold at once (CUDA)."""
