@@ -40,7 +40,7 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "LMCacheConfig": "lmcache.config",
     "load_config": "lmcache.config",
-    "ConfigError": "lmcache.config",
+    "ConfigError": "lmcache.errors",
     "LMCacheMetadata": "lmcache.metadata",
     "LMCacheEngine": "lmcache.cache_engine",
     "HeldHit": "lmcache.held_hit",

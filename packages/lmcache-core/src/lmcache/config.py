@@ -38,6 +38,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from lmcache.errors import ConfigError
+
 __all__ = [
     "CONFIG_FILE_ENV",
     "ENV_PREFIX",
@@ -72,10 +74,6 @@ NON_CONFIG_ENV_VARS: frozenset[str] = frozenset(
     }
 )
 """``LMCACHE_*`` environment variables that belong to lmcache but are not config keys."""
-
-
-class ConfigError(ValueError):
-    """A configuration key is unknown, has the wrong type, or a bad value."""
 
 
 @dataclass(frozen=True)

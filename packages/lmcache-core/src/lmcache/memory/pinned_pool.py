@@ -39,6 +39,7 @@ from types import TracebackType
 import torch
 
 from lmcache.devices import DeviceBackend, get_backend, host_backend
+from lmcache.errors import LeaseError
 
 __all__ = ["ALIGNMENT", "HostMemoryPool", "LeaseError", "MemoryLease", "aligned_bytes"]
 
@@ -46,10 +47,6 @@ logger = logging.getLogger(__name__)
 
 #: Every allocation starts at a multiple of this many bytes within its slab.
 ALIGNMENT = 256
-
-
-class LeaseError(RuntimeError):
-    """A lease was used after it was released, or released twice."""
 
 
 def aligned_bytes(nbytes: int) -> int:
