@@ -30,7 +30,6 @@ KNOWN_LONG: frozenset[str] = frozenset(
         "lmcache-core/src/lmcache/config.py",
         "lmcache-core/src/lmcache/gpu_ops/_ref.py",
         "lmcache-core/src/lmcache/memory/pinned_pool.py",
-        "lmcache-core/src/lmcache/tiers/lower_tier.py",
     }
 )
 
