@@ -28,7 +28,6 @@ KNOWN_LONG: frozenset[str] = frozenset(
         "lmcache-vllm/src/lmcache_vllm/worker.py",
         # being split in this branch, one commit each
         "lmcache-core/src/lmcache/gpu_ops/_ref.py",
-        "lmcache-core/src/lmcache/memory/pinned_pool.py",
     }
 )
 
