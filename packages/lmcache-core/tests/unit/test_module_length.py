@@ -27,7 +27,6 @@ KNOWN_LONG: frozenset[str] = frozenset(
         "lmcache-vllm/src/lmcache_vllm/scheduler.py",
         "lmcache-vllm/src/lmcache_vllm/worker.py",
         # being split in this branch, one commit each
-        "lmcache-core/src/lmcache/gpu_ops/_ref.py",
     }
 )
 
