@@ -9,6 +9,8 @@ the same tokens, so the engine skips that prefill.
 Public entry points (imported lazily; ``import lmcache`` never imports an engine):
 
 - :class:`lmcache.config.LMCacheConfig`, :func:`lmcache.config.load_config`
+- :mod:`lmcache.errors`: the exceptions shared across lmcache (``ConfigError``, ``KVLayoutError``,
+  ``LeaseError``, ...), importable from where each is raised too
 - :class:`lmcache.metadata.LMCacheMetadata` and :func:`lmcache.model_identity.model_digest`
   (what a model name stands for: configuration and weights)
 - :class:`lmcache.cache_engine.LMCacheEngine` (``lookup`` / ``lookup_and_lease`` / ``store`` /
