@@ -79,7 +79,7 @@ class LoadMetadata:
 class StoreMetadata:
     """A store ``LMCRadixCache`` asks for: ``kv_indices`` are the slots of ``token_ids``."""
 
-    last_node: Any
+    last_node: object
     token_ids: TokenIds
     kv_indices: torch.Tensor
     offset: int = 0

@@ -148,7 +148,7 @@ class LMCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is unty
         server_args: object,
         params: CacheInitParams,
         *,
-        components: Any = None,
+        components: object = None,
         extra_config: Mapping[str, Any] | None = None,
         forward_stream: Any = None,
     ) -> None:

@@ -132,7 +132,7 @@ class UnifiedLMCacheMPConnector:
         page_size: int,
         token_to_kv_pool_allocator: KVPoolAllocator,
         req_to_token_pool: Any = None,
-        tree_components: Sequence[Any] = (),
+        tree_components: Sequence[object] = (),
         mamba_component: Any = None,
         sliding_window_size: int | None = None,
         **_: Any,
