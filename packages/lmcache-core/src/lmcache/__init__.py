@@ -9,6 +9,8 @@ the same tokens, so the engine skips that prefill.
 Public entry points (imported lazily; ``import lmcache`` never imports an engine):
 
 - :class:`lmcache.config.LMCacheConfig`, :func:`lmcache.config.load_config`
+- :mod:`lmcache.errors`: the exceptions shared across lmcache (``ConfigError``, ``KVLayoutError``,
+  ``LeaseError``, ...), importable from where each is raised too
 - :class:`lmcache.metadata.LMCacheMetadata` and :func:`lmcache.model_identity.model_digest`
   (what a model name stands for: configuration and weights)
 - :class:`lmcache.cache_engine.LMCacheEngine` (``lookup`` / ``lookup_and_lease`` / ``store`` /
@@ -40,7 +42,7 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "LMCacheConfig": "lmcache.config",
     "load_config": "lmcache.config",
-    "ConfigError": "lmcache.config",
+    "ConfigError": "lmcache.errors",
     "LMCacheMetadata": "lmcache.metadata",
     "LMCacheEngine": "lmcache.cache_engine",
     "HeldHit": "lmcache.held_hit",

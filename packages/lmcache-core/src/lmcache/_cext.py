@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from lmcache.errors import CextUnavailableError
+
 __all__ = [
     "DISABLE_ENV",
     "REQUIRE_ENV",
@@ -66,10 +68,6 @@ SOURCES = ("torch_bindings.cpp", "kv_ops.cpp", "kv_gather.cu", "kv_scatter.cu", 
 _HEADERS = ("ops.h", "kv_copy_params.h", "kv_copy.cuh", "checksum.cuh")
 _OPS = ("gather_kv", "scatter_kv", "checksum_chunks")
 _TRUE = frozenset({"1", "true", "yes", "on"})
-
-
-class CextUnavailableError(RuntimeError):
-    """``LMCACHE_REQUIRE_CEXT=1`` is set and the CUDA extension cannot be loaded."""
 
 
 @dataclass(frozen=True)

@@ -18,25 +18,33 @@
 
 Every problem raises :class:`ConfigError`, naming the key, the source it came from (file path, env
 var name or overrides key), the expected form and what was found; an unknown key also names the
-nearest valid key.
+nearest valid key. The checks of one value live in :mod:`lmcache.config_checks`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import logging
-import math
 import os
-import re
-import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import yaml
+
+from lmcache.config_checks import (
+    LEGACY_NOOP_KEYS,
+    apply_legacy,
+    check_combination,
+    check_string,
+    check_type,
+    check_value,
+    field_kind,
+    mask_url,
+)
+from lmcache.config_checks import REMOTE_SCHEMES as REMOTE_SCHEMES  # it was defined here
+from lmcache.errors import ConfigError
 
 __all__ = [
     "CONFIG_FILE_ENV",
@@ -47,8 +55,6 @@ __all__ = [
     "LMCacheConfig",
     "load_config",
 ]
-
-logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "LMCACHE_"
 """Prefix of the environment variables that set config keys (``LMCACHE_CHUNK_SIZE``)."""
@@ -72,10 +78,6 @@ NON_CONFIG_ENV_VARS: frozenset[str] = frozenset(
     }
 )
 """``LMCACHE_*`` environment variables that belong to lmcache but are not config keys."""
-
-
-class ConfigError(ValueError):
-    """A configuration key is unknown, has the wrong type, or a bad value."""
 
 
 @dataclass(frozen=True)
@@ -152,10 +154,12 @@ class LMCacheConfig:
     def __post_init__(self) -> None:
         source = "LMCacheConfig(...) argument"
         for field in dataclasses.fields(self):
-            value = _check_type(field.name, getattr(self, field.name), source)
-            _check_value(field.name, value, source)
+            value = check_type(
+                field.name, _FIELD_KINDS[field.name], getattr(self, field.name), source
+            )
+            check_value(field.name, value, source)
             object.__setattr__(self, field.name, value)
-        _check_combination(self.to_dict(), dict.fromkeys(_FIELD_KINDS, source))
+        check_combination(self.to_dict(), dict.fromkeys(_FIELD_KINDS, source))
 
     def checksum_for(self, device_type: str, on_device: bool = False) -> bool:
         """Whether the CPU tier checksums chunks of an engine whose KV is on ``device_type``
@@ -177,7 +181,7 @@ class LMCacheConfig:
             f"{f.name}={v!r}"
             for f in dataclasses.fields(self)
             for v in (getattr(self, f.name),)
-            for v in ((_mask_url(v) if f.name == "remote_url" and v else v),)
+            for v in ((mask_url(v) if f.name == "remote_url" and v else v),)
         )
         return f"LMCacheConfig({fields})"
 
@@ -245,7 +249,7 @@ def load_config(
 
     merged = {**_DEFAULTS, **values}
     all_sources = {**dict.fromkeys(_FIELD_KINDS, "defaults"), **sources}
-    _check_combination(merged, all_sources)
+    check_combination(merged, all_sources)
     return LMCacheConfig(**values)
 
 
@@ -253,64 +257,14 @@ def load_config(
 # Field kinds, parsing and checks
 # ---------------------------------------------------------------------------------------------
 
-_EXPECTED_FORM = {
-    int: "an integer (e.g. 256)",
-    bool: "a boolean (true/false, yes/no, 1/0)",
-    float: "a finite number (e.g. 5.0)",
-    str: "a string",
-    "optional_str": "a string, or null/none for unset",
-    "optional_bool": "a boolean (true/false, yes/no, 1/0), or null/none for the default",
-}
-
-_TRUE = frozenset({"true", "1", "yes"})
-_FALSE = frozenset({"false", "0", "no"})
-_NONE = frozenset({"none", ""})
-
-
-def _field_kind(tp: Any) -> type | str:
-    if tp in (int, bool, float, str):
-        return typing.cast(type, tp)
-    if isinstance(tp, types.UnionType) and set(typing.get_args(tp)) == {str, type(None)}:
-        return "optional_str"
-    if isinstance(tp, types.UnionType) and set(typing.get_args(tp)) == {bool, type(None)}:
-        return "optional_bool"
-    raise TypeError(f"LMCacheConfig field type {tp!r} has no loader; extend config._field_kind")
-
-
 _FIELD_KINDS: dict[str, type | str] = {
-    name: _field_kind(tp) for name, tp in typing.get_type_hints(LMCacheConfig).items()
+    name: field_kind(tp) for name, tp in typing.get_type_hints(LMCacheConfig).items()
 }
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(LMCacheConfig)}
-
-_LEGACY_NOOP_KEYS: dict[str, tuple[type, tuple[Any, ...], str]] = {
-    # key: (kind, accepted values (empty = any), why it is a no-op)
-    "use_experimental": (str, (), "lmcache has a single implementation"),
-    "enable_blending": (bool, (False,), "KV blending is not supported; false is the default"),
-    "track_usage": (bool, (False,), "lmcache sends no usage data"),
-    "remote_serde": (str, (), "chunks are stored raw behind a checksummed header"),
-}
-"""Keys of the original LMCache config that are accepted and ignored (with a warning)."""
-
-REMOTE_SCHEMES: frozenset[str] = frozenset(
-    {"unix"}
-    | {
-        base + variant
-        for base in ("redis", "rediss", "valkey", "valkeys")
-        for variant in ("", "+cluster", "+sentinel")
-    }
-)
-"""URL schemes ``remote_url`` accepts (Redis and Valkey, single server, cluster, sentinel)."""
 
 
 def _env_name(key: str) -> str:
     return ENV_PREFIX + key.upper()
-
-
-def _error(key: str, source: str, expected: str, found: Any, fix: str) -> ConfigError:
-    return ConfigError(
-        f"Invalid lmcache config key {key!r} (from {source}): expected {expected}, "
-        f"found {found!r}. {fix}"
-    )
 
 
 def _apply(
@@ -329,13 +283,16 @@ def _apply(
             f"Invalid lmcache config key {key!r} (from {source}): keys must be strings such as "
             f"'chunk_size', found {type(key).__name__}."
         )
-    if key in _LEGACY_NOOP_KEYS:
-        _apply_legacy(key, raw, source, parse_string=parse_string)
+    if key in LEGACY_NOOP_KEYS:
+        apply_legacy(key, raw, source, parse_string=parse_string)
         return
     if key not in _FIELD_KINDS:
         raise _unknown_key(key, source, spell)
-    value = _parse_string(key, raw, source) if parse_string else _check_type(key, raw, source)
-    _check_value(key, value, source)
+    kind = _FIELD_KINDS[key]
+    value = (
+        check_string(key, kind, raw, source) if parse_string else check_type(key, kind, raw, source)
+    )
+    check_value(key, value, source)
     values[key] = value
     sources[key] = source
 
@@ -352,179 +309,6 @@ def _unknown_key(key: str, source: str, spell: Callable[[str], str]) -> ConfigEr
         f"Unknown lmcache config key {spelled!r} (from {source}). {hint}"
         f"Expected one of: {valid}. Fix the spelling or remove it."
     )
-
-
-def _apply_legacy(key: str, raw: Any, source: str, *, parse_string: bool) -> None:
-    kind, accepted, why = _LEGACY_NOOP_KEYS[key]
-    value = raw
-    if kind is bool:
-        value = _parse_string(key, raw, source, kind=bool) if parse_string else raw
-    if accepted and not any(
-        value is a or (type(value) is type(a) and value == a) for a in accepted
-    ):
-        raise _error(
-            key,
-            source,
-            " or ".join(repr(a) for a in accepted) + f" (legacy LMCache key: {why})",
-            raw,
-            "This version cannot do it; remove the key.",
-        )
-    logger.warning(
-        "lmcache config key %r (from %s) is a legacy LMCache setting and is ignored: %s.",
-        key,
-        source,
-        why,
-    )
-
-
-def _parse_string(key: str, raw: str, source: str, *, kind: type | str | None = None) -> Any:
-    """Parse an environment-variable string by the field's kind."""
-    kind = _FIELD_KINDS[key] if kind is None else kind
-    text = raw.strip()
-    lowered = text.lower()
-    if kind is bool or kind == "optional_bool":
-        if lowered in _TRUE:
-            return True
-        if lowered in _FALSE:
-            return False
-        if kind == "optional_bool" and lowered in _NONE:
-            return None
-    elif kind is int:
-        try:
-            return int(text)
-        except ValueError:
-            pass
-    elif kind is float:
-        try:
-            return float(text)
-        except ValueError:
-            pass
-    elif kind == "optional_str":
-        return None if lowered in _NONE else raw
-    else:
-        return raw
-    expected = _EXPECTED_FORM[kind]
-    raise _error(key, source, expected, raw, f"Set it to {expected}.")
-
-
-def _check_type(key: str, value: Any, source: str) -> Any:
-    """Check a typed value (file, overrides, constructor); returns it (ints widened to float)."""
-    kind = _FIELD_KINDS[key]
-    ok: bool
-    if kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif kind is bool:
-        ok = isinstance(value, bool)
-    elif kind is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        if ok:
-            value = float(value)
-    elif kind == "optional_str":
-        ok = value is None or isinstance(value, str)
-    elif kind == "optional_bool":
-        ok = value is None or isinstance(value, bool)
-    else:
-        ok = isinstance(value, str)
-    if not ok:
-        expected = _EXPECTED_FORM[kind]
-        raise _error(
-            key,
-            source,
-            expected,
-            value,
-            f"Got a {type(value).__name__}; write it as {expected} (no quotes around numbers or "
-            "booleans in YAML/JSON).",
-        )
-    return value
-
-
-def _check_value(key: str, value: Any, source: str) -> None:
-    """Range and form checks on one typed value."""
-    if key == "chunk_size" and value <= 0:
-        raise _error(key, source, "a positive integer (e.g. 256)", value, "Use chunk_size > 0.")
-    if key in ("max_local_cpu_size", "max_local_disk_size") and not (
-        math.isfinite(value) and value >= 0
-    ):
-        raise _error(key, source, "a finite size in GB >= 0", value, "Use a size such as 5.0.")
-    if key == "local_disk" and value is not None and not value.strip():
-        raise _error(key, source, "a directory path, or null", value, "Give a path or unset it.")
-    if key == "remote_url" and value is not None:
-        parts = urlsplit(value)
-        masked = _mask_url(value)
-        if not parts.scheme or "://" not in value or not (parts.netloc or parts.path):
-            raise _error(
-                key,
-                source,
-                "a URL with a scheme and host, e.g. 'redis://localhost:6379'",
-                masked,
-                "Add the scheme (redis://, valkey://, ...) or unset it.",
-            )
-        if parts.scheme.lower() not in REMOTE_SCHEMES:
-            raise _error(
-                key,
-                source,
-                f"a Redis/Valkey URL, scheme one of {sorted(REMOTE_SCHEMES)}",
-                masked,
-                "lmcache's remote tier is Redis or Valkey; point it at one (redis://host:6379).",
-            )
-        from lmcache.tiers.redis_url import parse_remote_url
-
-        try:
-            parse_remote_url(value)
-        except ConfigError as exc:
-            raise ConfigError(f"{exc} (from {source})") from None
-    if key == "remote_namespace" and not _NAMESPACE.fullmatch(value):
-        raise _error(
-            key, source, "1-64 letters, digits, '_', '.' or '-'", value, "Use e.g. 'lmcache'."
-        )
-    if key == "remote_timeout" and not (math.isfinite(value) and value > 0):
-        raise _error(key, source, "a number of seconds > 0", value, "Use e.g. 1.0.")
-    if key == "remote_ttl" and not (math.isfinite(value) and value >= 0):
-        raise _error(key, source, "a number of seconds >= 0 (0: no expiry)", value, "Use 0.")
-    if key == "tier_timeout" and not (math.isfinite(value) and value >= 0):
-        raise _error(
-            key, source, "a number of seconds >= 0 (0: no deadline)", value, "Use e.g. 5.0."
-        )
-
-
-_NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-
-
-def _mask_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for messages and logs)."""
-    from lmcache.tiers.redis_url import mask_url
-
-    return mask_url(url)
-
-
-def _check_combination(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
-    """Checks across keys."""
-    if values["local_cpu"] and values["max_local_cpu_size"] <= 0:
-        raise _error(
-            "max_local_cpu_size",
-            sources["max_local_cpu_size"],
-            f"a size > 0 GB while local_cpu is true (local_cpu from {sources['local_cpu']})",
-            values["max_local_cpu_size"],
-            "Give the CPU tier a budget such as 5.0, or set local_cpu to false.",
-        )
-    if values["local_disk"] is not None and values["max_local_disk_size"] <= 0:
-        raise _error(
-            "max_local_disk_size",
-            sources["max_local_disk_size"],
-            f"a size > 0 GB while local_disk is set (local_disk from {sources['local_disk']})",
-            values["max_local_disk_size"],
-            "Give the disk tier a budget such as 50.0, or unset local_disk.",
-        )
-    lower = values["local_disk"] is not None or values["remote_url"] is not None
-    if not values["local_cpu"] and lower and values["max_local_cpu_size"] <= 0:
-        raise _error(
-            "max_local_cpu_size",
-            sources["max_local_cpu_size"],
-            "a size > 0 GB: with local_cpu false it sizes the host buffers that stage transfers "
-            "to and from the disk or remote tier",
-            values["max_local_cpu_size"],
-            "Use e.g. 2.0.",
-        )
 
 
 def _read_yaml(file_path: str, source: str) -> dict[Any, Any]:

@@ -189,3 +189,24 @@ def test_default_is_on_for_a_connector_that_sums_on_the_device() -> None:
     assert cfg.checksum_for("cuda", True) is True
     assert cfg.checksum_for("cuda", False) is False
     assert cfg.checksum_for("cpu", False) is True
+
+
+def test_a_hit_verified_at_lookup_is_cut_before_its_first_bad_chunk() -> None:
+    src = SummingConnector(_kv(2))
+    engine = _engine(src)
+    tokens = list(range(4 * CS))
+    engine.store(tokens, None, TransferSpec(torch.arange(4 * CS)))
+    hit = engine.lookup_and_lease(tokens)
+    assert hit.num_tokens == 4 * CS
+    sums = hit.checksums()
+    tensors = hit.tensors()
+    assert sums == [chunk_checksum(t) for t in tensors]
+    tensors[2].view(-1).view(torch.uint8)[0] ^= 1
+    ok = [chunk_checksum(t) == s for t, s in zip(tensors, sums, strict=True)]
+    assert ok == [True, True, False, True]
+    engine.cut_held_hit(hit, ok)
+    assert (hit.num_tokens, len(hit)) == (2 * CS, 2)
+    assert engine.metrics.value("checksum_failures") == 1
+    assert len(_entries(engine)) == 3  # the bad chunk left the tier; the one after it stays
+    hit.release()
+    assert engine.lookup(tokens) == 2 * CS

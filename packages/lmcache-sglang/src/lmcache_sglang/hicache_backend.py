@@ -50,6 +50,7 @@ from lmcache_sglang.gpu_connector import SGLangKVConnector
 from lmcache_sglang.hook_config import ModelFacts, hook_config, model_facts
 from lmcache_sglang.kv_pools import build_metadata, host_layer_views, host_pool_layers
 from lmcache_sglang.page_store import PageStore
+from lmcache_sglang.sglang_types import HostKVPool
 
 try:  # SGLang's interface; this module is only imported by SGLang's backend factory.
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
@@ -61,6 +62,11 @@ except ImportError as exc:  # pragma: no cover - depends on the installed engine
 __all__ = ["SGLANG_EXTRA_KEYS", "LMCacheHiCacheStorage"]
 
 logger = logging.getLogger(__name__)
+
+_NOT_REGISTERED = (
+    "LMCacheHiCacheStorage: no host pool registered yet (SGLang calls "
+    "register_mem_pool_host before any transfer)"
+)
 
 SGLANG_EXTRA_KEYS = (
     "backend_name",
@@ -97,7 +103,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
         ConfigError: bad lmcache configuration.
     """
 
-    def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
+    def __init__(self, storage_config: object, kwargs: Any = None) -> None:
         self.storage_config = storage_config
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         self.config = hook_config(
@@ -111,7 +117,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
             )
         self.is_mla = bool(getattr(storage_config, "is_mla_model", False))
         self.store: PageStore | None = None
-        self.mem_pool_host: Any = None
+        self.mem_pool_host: HostKVPool | None = None
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -126,7 +132,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
             parts.append(f"split{getattr(c, 'tp_lcm_size', None)}")
         return "hicache/" + "/".join(parts)
 
-    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+    def register_mem_pool_host(self, mem_pool_host: HostKVPool) -> None:
         """Attach SGLang's host pool: read its geometry and build the page store over it.
 
         Raises:
@@ -179,11 +185,13 @@ class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
 
     def _store(self) -> PageStore:
         if self.store is None:
-            raise RuntimeError(
-                "LMCacheHiCacheStorage: no host pool registered yet (SGLang calls "
-                "register_mem_pool_host before any transfer)"
-            )
+            raise RuntimeError(_NOT_REGISTERED)
         return self.store
+
+    def _host(self) -> HostKVPool:
+        if self.mem_pool_host is None:
+            raise RuntimeError(_NOT_REGISTERED)
+        return self.mem_pool_host
 
     def _miss(self, what: str, exc: BaseException) -> None:
         logger.warning("lmcache HiCache backend: %s failed (%r); treating it as a miss.", what, exc)
@@ -322,7 +330,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
         try:
             store = self._store()
             if target_location is None:
-                target_location = self.mem_pool_host.get_dummy_flat_data_page()
+                target_location = self._host().get_dummy_flat_data_page()
             connector = self._page_connector(target_location)
             held = store.hold([key])
             try:

@@ -97,7 +97,7 @@ class ModelFacts:
     model_digest: str = ""
 
 
-def _sglang_model_digest(model: str, server_args: Any) -> str:
+def _sglang_model_digest(model: str, server_args: object) -> str:
     """:func:`~lmcache.model_identity.model_digest` of SGLang's model: a local folder's
     ``config.json`` and weights (or the hub snapshot's commit) and the configuration overrides
     (``--json-model-override-args``)."""
@@ -113,7 +113,7 @@ def _sglang_model_digest(model: str, server_args: Any) -> str:
     return model_digest(model, config=config, revision=getattr(server_args, "revision", None))
 
 
-def model_facts(server_args: Any) -> ModelFacts:
+def model_facts(server_args: object) -> ModelFacts:
     """Model path, revision, quantization and KV-cache dtype setting of SGLang's ``ServerArgs``,
     and the digest of its configuration and weights (:func:`_sglang_model_digest`)."""
     model = str(getattr(server_args, "model_path", "") or "")

@@ -19,6 +19,7 @@ import torch
 
 from lmcache.gpu_connector.interface import EngineInfo, KVLayoutError
 from lmcache.metadata import LMCacheMetadata
+from lmcache_sglang.sglang_types import HostKVPool
 
 __all__ = [
     "HOST_LAYOUTS",
@@ -68,7 +69,7 @@ class PoolLayers:
         )
 
 
-def _pool_error(pool: Any, what: str) -> KVLayoutError:
+def _pool_error(pool: object, what: str) -> KVLayoutError:
     return KVLayoutError(
         f"lmcache-sglang cannot read the KV pool {type(pool).__name__}: {what}. Supported: "
         "MHATokenToKVPool (NHD or HND) and MLATokenToKVPool; other pools (SWA, Mamba, "
@@ -76,7 +77,7 @@ def _pool_error(pool: Any, what: str) -> KVLayoutError:
     )
 
 
-def device_pool_layers(kvcache: Any, page_size: int) -> PoolLayers:
+def device_pool_layers(kvcache: object, page_size: int) -> PoolLayers:
     """The per-layer tensors of SGLang's device KV pool.
 
     Raises:
@@ -153,7 +154,7 @@ def host_layer_views(
     return caches, kv_layout
 
 
-def host_pool_layers(host_pool: Any) -> PoolLayers:
+def host_pool_layers(host_pool: HostKVPool) -> PoolLayers:
     """The per-layer tensors of a HiCache host pool (``MHATokenToKVPoolHost`` /
     ``MLATokenToKVPoolHost``).
 

@@ -41,6 +41,7 @@ from lmcache.metrics import LMCacheMetrics
 from lmcache.model_identity import hf_config_dict, model_digest
 from lmcache.tiers import process_cpu_tier
 from lmcache_sglang.mp_connector import lmcache_config_for_sglang
+from lmcache_sglang.sglang_types import TokenIds
 
 __all__ = [
     "LMCacheLayerwiseConnector",
@@ -67,7 +68,7 @@ class LoadMetadata:
         request_id: SGLang's request id (MP mode).
     """
 
-    token_ids: Any
+    token_ids: TokenIds
     slot_mapping: torch.Tensor
     offset: int = 0
     prefix_pad: int = 0
@@ -78,8 +79,8 @@ class LoadMetadata:
 class StoreMetadata:
     """A store ``LMCRadixCache`` asks for: ``kv_indices`` are the slots of ``token_ids``."""
 
-    last_node: Any
-    token_ids: Any
+    last_node: object
+    token_ids: TokenIds
     kv_indices: torch.Tensor
     offset: int = 0
     request_id: str | None = None
@@ -131,7 +132,7 @@ def _lora_enabled() -> bool:
     return bool(getattr(args, "enable_lora", False) or getattr(args, "lora_paths", None))
 
 
-def _model_name(sgl_config: Any) -> str:
+def _model_name(sgl_config: object) -> str:
     name = str(getattr(sgl_config, "model_path", "") or getattr(sgl_config, "path", "") or "")
     if not name:
         raise KVLayoutError(
@@ -141,7 +142,7 @@ def _model_name(sgl_config: Any) -> str:
     return name
 
 
-def _model_digest(sgl_config: Any) -> str:
+def _model_digest(sgl_config: object) -> str:
     """:func:`~lmcache.model_identity.model_digest` of SGLang's model config: its effective
     ``hf_config`` and the weights of its folder (or hub snapshot)."""
     return model_digest(
@@ -170,7 +171,7 @@ class LMCacheLayerwiseConnector:
     def __init__(
         self,
         *,
-        sgl_config: Any,
+        sgl_config: object,
         tp_size: int,
         rank: int,
         k_pool: Sequence[torch.Tensor],
@@ -235,7 +236,7 @@ class LMCacheLayerwiseConnector:
     def chunk_size(self) -> int:
         return self.config.chunk_size
 
-    def _tokens(self, token_ids: Any, n: int) -> list[int]:
+    def _tokens(self, token_ids: TokenIds, n: int) -> list[int]:
         return [int(t) for t in list(token_ids)[:n]]
 
     def _load_plan(self, md: LoadMetadata) -> tuple[list[int], torch.Tensor, TransferSpec]:
@@ -249,7 +250,7 @@ class LMCacheLayerwiseConnector:
         transfer = TransferSpec(md.slot_mapping.to(torch.int64), skip_tokens=skip)
         return self._tokens(md.token_ids, n), mask, transfer
 
-    def lookup_kv(self, token_ids: Any, request_id: str | None = None) -> int:
+    def lookup_kv(self, token_ids: TokenIds, request_id: str | None = None) -> int:
         """Stored prefix in tokens; the hit is leased for ``request_id`` until loaded/released."""
         if not self.enabled:
             return 0

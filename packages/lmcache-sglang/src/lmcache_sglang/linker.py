@@ -57,6 +57,7 @@ from lmcache.tiers import process_cpu_tier
 from lmcache_sglang.hook_config import hook_config, model_facts, tp_rank_and_size
 from lmcache_sglang.kv_pools import build_metadata, device_pool_layers
 from lmcache_sglang.page_store import HeldPages, PageStore
+from lmcache_sglang.sglang_types import CacheInitParams
 
 try:  # SGLang's interface; this module is only imported by SGLang's linker factory.
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
@@ -79,8 +80,8 @@ LOWER_TIER_FLUSH_SECONDS = 30.0
 
 
 def build_page_store(
-    server_args: Any,
-    params: Any,
+    server_args: object,
+    params: CacheInitParams,
     extra_config: Mapping[str, Any] | None,
     *,
     hook: str,
@@ -144,10 +145,10 @@ class LMCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is unty
 
     def __init__(
         self,
-        server_args: Any,
-        params: Any,
+        server_args: object,
+        params: CacheInitParams,
         *,
-        components: Any = None,
+        components: object = None,
         extra_config: Mapping[str, Any] | None = None,
         forward_stream: Any = None,
     ) -> None:

@@ -51,6 +51,7 @@ from lmcache.tiers import process_cpu_tier
 from lmcache_sglang.hook_config import LMCACHE_DAEMON_KEYS, model_facts, strip_daemon_keys
 from lmcache_sglang.kv_pools import build_metadata, device_pool_layers
 from lmcache_sglang.mp_metadata import LoadOp, LookupOp, StoreOp
+from lmcache_sglang.sglang_types import KVPoolAllocator
 
 __all__ = ["UnifiedLMCacheMPConnector", "lmcache_config_for_sglang"]
 
@@ -121,7 +122,7 @@ class UnifiedLMCacheMPConnector:
         self,
         *,
         config_file: str | None,
-        model_config: Any,
+        model_config: object,
         tp_size: int,
         tp_rank: int,
         tp_group: Any = None,
@@ -129,9 +130,9 @@ class UnifiedLMCacheMPConnector:
         pp_rank: int = 0,
         pp_group: Any = None,
         page_size: int,
-        token_to_kv_pool_allocator: Any,
+        token_to_kv_pool_allocator: KVPoolAllocator,
         req_to_token_pool: Any = None,
-        tree_components: Sequence[Any] = (),
+        tree_components: Sequence[object] = (),
         mamba_component: Any = None,
         sliding_window_size: int | None = None,
         **_: Any,
@@ -166,7 +167,9 @@ class UnifiedLMCacheMPConnector:
                 exc,
             )
 
-    def _build_engine(self, model_config: Any, allocator: Any, pp_rank: int) -> LMCacheEngine:
+    def _build_engine(
+        self, model_config: object, allocator: KVPoolAllocator, pp_rank: int
+    ) -> LMCacheEngine:
         try:
             from sglang.srt.runtime_context import get_server_args
 

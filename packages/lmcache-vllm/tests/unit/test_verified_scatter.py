@@ -144,3 +144,34 @@ def test_prefetched_load_is_verified_too() -> None:
     checks = dst.to_gpu(chunks, TransferSpec(_slots(RANGES[-1][1], 12, "cpu"), staged=staged))
     dst.synchronize()
     assert checks is not None and checks.ok() == [False, True, True, True]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scratch", [1 << 30, 1])
+@pytest.mark.parametrize("damage", ["flipped_bit", "other_chunk"])
+def test_verify_chunks_before_a_load(device: str, scratch: int, damage: str) -> None:
+    """A hit checked on the device right after its lookup: in place in a device copy, or
+    through a scratch buffer (``scratch=1``: one chunk at a time)."""
+    _, src = _checked_conn("lbnhc", device, 13)
+    ranges = [(0, 8), (8, 16), (16, 24)]
+    chunks = chunk_buffers(src, ranges, "scattered")
+    sums = src.from_gpu(chunks, TransferSpec(_slots(24, 14, "cpu")))
+    src.synchronize()
+    assert sums is not None
+    chunks = [
+        dataclasses.replace(c, checksum=s) for c, s in zip(chunks, sums.values(), strict=True)
+    ]
+    chunks.append(dataclasses.replace(chunks[0], start=24, end=32, checksum=None))  # no sum: ok
+    fused = src.transfer
+    fused._sums.scratch_bytes = scratch
+    stream = src.backend.new_stream(src.device) if device == "cuda" else None
+    assert fused.verify_chunks(chunks[:3], stream, None) == [True, True, True]
+    if damage == "flipped_bit":
+        chunks[1].buffer.reshape(-1).view(torch.uint8)[9] ^= 0x02
+    else:
+        chunks[1].buffer.copy_(chunks[2].buffer)
+    assert fused.verify_chunks(chunks, stream, None) == [True, False, True, True]
+    if device == "cuda":  # in place, in a prefetch's device copy
+        pre = src.prefetch(chunks[:3], stream)
+        assert pre is not None
+        assert fused.verify_chunks(chunks[:3], stream, pre) == [True, False, True]

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmcache.errors import KVLayoutError
+
 if TYPE_CHECKING:
     from lmcache.config import LMCacheConfig
     from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums
@@ -50,10 +52,6 @@ __all__ = [
     "TransferSpec",
     "supports_layerwise",
 ]
-
-
-class KVLayoutError(ValueError):
-    """A KV tensor's shape, dtype, strides or device is not one the connector can handle."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ A transfer of ``num_chunks`` chunks of a request, all layers, in one launch::
     # chunk c is staging[o_c * L * W : o_{c+1} * L * W], laid out [L, n_c, W] like its host
     # buffer: one DMA each; sums[c] % 2**64 == chunk_checksum(host_buffer_c)
 
-The staging layout, the slot rules and the checksum are defined in :mod:`lmcache.gpu_ops._ref`.
+The staging layout and the slot rules are defined in :mod:`lmcache.gpu_ops._ref`, the checksum
+in :mod:`lmcache.gpu_ops.mix64sum`.
 """
 
 from __future__ import annotations

@@ -33,212 +33,17 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from types import TracebackType
 
 import torch
 
 from lmcache.devices import DeviceBackend, get_backend, host_backend
+from lmcache.errors import LeaseError
+from lmcache.memory.lease import Allocation, MemoryLease, lease_refs
+from lmcache.memory.slab import ALIGNMENT, Slab, aligned_bytes
 
 __all__ = ["ALIGNMENT", "HostMemoryPool", "LeaseError", "MemoryLease", "aligned_bytes"]
 
 logger = logging.getLogger(__name__)
-
-#: Every allocation starts at a multiple of this many bytes within its slab.
-ALIGNMENT = 256
-
-
-class LeaseError(RuntimeError):
-    """A lease was used after it was released, or released twice."""
-
-
-def aligned_bytes(nbytes: int) -> int:
-    """Bytes of the pool an allocation of ``nbytes`` takes (:attr:`MemoryLease.pool_bytes`):
-    ``nbytes`` rounded up to a multiple of :data:`ALIGNMENT`, at least one unit."""
-    return max(ALIGNMENT, (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
-
-
-@dataclass(eq=False)
-class _Slab:
-    """One host tensor ``uint8 [size]`` and its free ranges ``(offset, length)``, sorted."""
-
-    tensor: torch.Tensor
-    size: int
-    dedicated: bool
-    free: list[tuple[int, int]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.dedicated:
-            self.free = [(0, self.size)]
-
-    @property
-    def empty(self) -> bool:
-        return self.free == [(0, self.size)]
-
-    def take_run(self, size: int, count: int) -> tuple[int, int] | None:
-        """First fit for up to ``count`` back-to-back pieces of ``size`` bytes: ``(offset,
-        pieces)`` carved from the first free range that holds at least one, or ``None``."""
-        for i, (offset, length) in enumerate(self.free):
-            if length >= size:
-                k = min(count, length // size)
-                if length == k * size:
-                    del self.free[i]
-                else:
-                    self.free[i] = (offset + k * size, length - k * size)
-                return offset, k
-        return None
-
-    def give_back(self, offset: int, size: int) -> None:
-        """Return ``[offset, offset + size)`` to the free list, merging adjacent ranges."""
-        free = self.free
-        lo, hi = 0, len(free)
-        while lo < hi:  # bisect on the offsets
-            mid = (lo + hi) // 2
-            if free[mid][0] < offset:
-                lo = mid + 1
-            else:
-                hi = mid
-        start, end = offset, offset + size
-        if lo < len(free) and free[lo][0] == end:  # merge with the next range
-            end = free[lo][0] + free[lo][1]
-            del free[lo]
-        if lo > 0 and free[lo - 1][0] + free[lo - 1][1] == start:  # merge with the previous one
-            start = free[lo - 1][0]
-            lo -= 1
-            del free[lo]
-        free.insert(lo, (start, end - start))
-
-
-@dataclass(eq=False)
-class _Allocation:
-    """The bytes behind one or more leases; mutated only under the pool's lock."""
-
-    slab: _Slab
-    offset: int
-    size: int
-    view: torch.Tensor
-    refs: int = 1
-    checksum: int | None = None  # lmcache-mix64-sum of the bytes as written on the device
-
-
-class MemoryLease:
-    """A claim on an allocation of a :class:`HostMemoryPool`.
-
-    The allocation's bytes stay reserved while at least one lease on them is unreleased. Use a
-    lease as a context manager, or call :meth:`release` exactly once. Leases are not released by
-    garbage collection: a lease that is dropped without release keeps its bytes for the life of
-    the pool.
-    """
-
-    __slots__ = ("_alloc", "_pool", "_released")
-
-    def __init__(self, pool: HostMemoryPool, alloc: _Allocation) -> None:
-        self._pool = pool
-        self._alloc = alloc
-        self._released = False
-
-    def _check(self, action: str) -> None:
-        if self._released:
-            raise LeaseError(
-                f"Cannot {action}: this MemoryLease (shape {tuple(self._alloc.view.shape)}, "
-                f"{self._alloc.view.dtype}) was already released, and its bytes may now belong "
-                "to another allocation. Keep the lease (or lease.share() a new one) for as long "
-                "as you use the tensor."
-            )
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        """The leased bytes as a host tensor of the shape and dtype that were allocated.
-
-        Raises:
-            LeaseError: the lease was released.
-        """
-        self._check("read lease.tensor")
-        return self._alloc.view
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the tensor (without alignment padding)."""
-        return self._alloc.view.numel() * self._alloc.view.element_size()
-
-    @property
-    def pool_bytes(self) -> int:
-        """Bytes of the pool these bytes take (:attr:`nbytes` rounded up to :data:`ALIGNMENT`):
-        what releasing the last lease on them gives back."""
-        return self._alloc.size
-
-    @property
-    def checksum(self) -> int | None:
-        """The ``lmcache-mix64-sum`` of these bytes computed on the device that wrote them, or
-        ``None``.
-
-        Every lease on the same bytes sees the same value. The connector that loads the bytes
-        back verifies it before they enter the engine's pages.
-        """
-        return self._alloc.checksum
-
-    @checksum.setter
-    def checksum(self, value: int | None) -> None:
-        self._check("set lease.checksum")
-        self._alloc.checksum = value
-
-    @property
-    def released(self) -> bool:
-        """Whether this lease was released (other leases on the same bytes may remain)."""
-        return self._released
-
-    @property
-    def ref_count(self) -> int:
-        """Number of unreleased leases on these bytes, this one included if unreleased."""
-        with self._pool._lock:
-            return self._alloc.refs
-
-    def share(self) -> MemoryLease:
-        """Another lease on the same bytes, to be released independently.
-
-        Raises:
-            LeaseError: this lease was released.
-        """
-        with self._pool._lock:
-            self._check("share()")
-            self._alloc.refs += 1
-            return MemoryLease(self._pool, self._alloc)
-
-    def release(self) -> None:
-        """Release this lease; the bytes return to the pool when no lease on them remains.
-
-        Raises:
-            LeaseError: this lease was released already.
-        """
-        with self._pool._lock:
-            self._check("release() twice")
-            self._released = True
-            self._alloc.refs -= 1
-            if self._alloc.refs == 0:
-                self._pool._free(self._alloc)
-
-    def __enter__(self) -> MemoryLease:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if not self._released:
-            self.release()
-
-    def __repr__(self) -> str:
-        state = "released" if self._released else f"refs={self._alloc.refs}"
-        return (
-            f"MemoryLease(shape={tuple(self._alloc.view.shape)}, dtype={self._alloc.view.dtype}, "
-            f"nbytes={self.nbytes}, {state})"
-        )
-
-
-def _refs(lease: MemoryLease) -> int:
-    return lease._alloc.refs
 
 
 class HostMemoryPool:
@@ -279,7 +84,7 @@ class HostMemoryPool:
         self._backend = backend
         self._pin = backend.device_type != "cpu" if pin is None else bool(pin)
         self._lock = threading.Lock()
-        self._slabs: list[_Slab] = []  # shared slabs, in creation order
+        self._slabs: list[Slab] = []  # shared slabs, in creation order
         self._dedicated = 0  # bytes in dedicated slabs
         self._used = 0  # bytes in live allocations (aligned sizes)
         self._prepinned = threading.Event()
@@ -352,7 +157,7 @@ class HostMemoryPool:
         """A reader of :attr:`MemoryLease.ref_count` for many leases of this pool under one
         acquisition of the pool's lock (no other call into the pool inside the block)."""
         with self._lock:
-            yield _refs
+            yield lease_refs
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryLease | None:
         """Lease a host tensor of ``shape`` and ``dtype``.
@@ -405,10 +210,10 @@ class HostMemoryPool:
                 views = region.view(dtype).view(k, *shape).unbind(0) if nbytes else None
                 for j in range(k):
                     view = views[j] if views is not None else region[j].view(dtype).view(shape)
-                    out.append(MemoryLease(self, _Allocation(slab, offset + j * size, size, view)))
+                    out.append(MemoryLease(self, Allocation(slab, offset + j * size, size, view)))
         return out
 
-    def _place(self, size: int, want: int) -> tuple[_Slab, int, int] | None:
+    def _place(self, size: int, want: int) -> tuple[Slab, int, int] | None:
         """Find or make room for up to ``want`` back-to-back pieces of ``size`` bytes: ``(slab,
         offset, pieces)`` (at least one piece), or ``None``; caller holds the lock."""
         if size > self._slab_bytes:
@@ -444,7 +249,7 @@ class HostMemoryPool:
             self._slabs.remove(slab)
         return self._budget - self._reserved() >= size
 
-    def _new_slab(self, size: int, *, dedicated: bool) -> _Slab | None:
+    def _new_slab(self, size: int, *, dedicated: bool) -> Slab | None:
         try:
             with torch.inference_mode(False):  # a normal tensor even if the engine is in it
                 if self._pin:
@@ -461,9 +266,9 @@ class HostMemoryPool:
                 exc,
             )
             return None
-        return _Slab(tensor, size, dedicated)
+        return Slab(tensor, size, dedicated)
 
-    def _free(self, alloc: _Allocation) -> None:
+    def _free(self, alloc: Allocation) -> None:
         """Return an allocation's bytes; caller holds the lock."""
         self._used -= alloc.size
         if alloc.slab.dedicated:

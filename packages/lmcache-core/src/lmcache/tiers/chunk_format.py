@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from lmcache.errors import CorruptChunk
+
 __all__ = [
     "FORMAT_VERSION",
     "HEADER_BYTES",
@@ -79,10 +81,6 @@ _DTYPES: dict[str, torch.dtype] = {
         torch.float8_e5m2,
     )
 }
-
-
-class CorruptChunk(ValueError):
-    """A stored chunk failed verification (bad header, other key/model/geometry, bad bytes)."""
 
 
 def fingerprint_digest(fingerprint: bytes) -> bytes:

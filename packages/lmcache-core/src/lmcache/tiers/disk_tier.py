@@ -65,22 +65,15 @@ others' files (a miss for them, never a wrong read).
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
-import itertools
 import logging
 import os
-import re
-import stat
 import threading
 import time
-import urllib.parse
 from collections.abc import Container, Sequence
 
-import torch
-
-from lmcache.config import ConfigError
-from lmcache.tiers.chunk_format import HEADER_BYTES, ChunkHeader, CorruptChunk, verify_chunk
+from lmcache.errors import ConfigError, CorruptChunk
+from lmcache.tiers.chunk_format import HEADER_BYTES, ChunkHeader
+from lmcache.tiers.disk_files import ChunkFiles, Ident, local_path, make_folder, unlink
 from lmcache.tiers.lower_tier import LowerTier, ReadRequest
 from lmcache.tiers.prefix_lru import PrefixLRU
 from lmcache.tiers.tier_guard import progress
@@ -89,130 +82,7 @@ __all__ = ["DiskTier"]
 
 logger = logging.getLogger(__name__)
 
-#: Suffix of a chunk file; its stem is the chunk key in hex.
-SUFFIX = ".lmc"
-#: Prefix of a temporary file (a write in progress, or left by a crash).
-TMP_PREFIX = ".tmp-"
-_HEX32 = re.compile(r"[0-9a-f]{32}")
-_ENTRY = re.compile(r"([0-9a-f]{32})\.lmc")
-_DIRECT_ALIGN = 4096
-_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
-_O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
-_O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
-
-_Ident = tuple[bytes, bytes]  # (fingerprint digest, chunk key)
 _Entry = tuple[int, int]  # (file size, mtime in ns: also tells one write of a key from another)
-
-
-def _local_path(path: str) -> str:
-    """``/dir``, ``~/dir`` or ``file:///dir`` as an absolute path."""
-    if path.startswith("file:"):
-        parsed = urllib.parse.urlparse(path)
-        if parsed.netloc not in ("", "localhost") or not parsed.path:
-            raise ConfigError(
-                f"lmcache config key 'local_disk': expected a local folder such as '/data/lmcache' "
-                f"or 'file:///data/lmcache', found {path!r}. Use a path on this machine (for a "
-                "shared cache use remote_url)."
-            )
-        path = urllib.parse.unquote(parsed.path)
-    if not path:
-        raise ConfigError(
-            "lmcache config key 'local_disk': found an empty path; set it to a folder such as "
-            "'/data/lmcache', or unset it to run without a disk tier."
-        )
-    return os.path.abspath(os.path.expanduser(path))
-
-
-def _bad_folder(path: str, found: str) -> ConfigError:
-    return ConfigError(
-        f"lmcache config key 'local_disk': cannot use {path!r} as the disk tier folder: {found}. "
-        "Set local_disk to a writable folder on a local filesystem (it is created, mode 0700, "
-        "if missing), or unset it to run without a disk tier."
-    )
-
-
-def _make_folder(path: str) -> None:
-    """Create ``path`` and its missing parents, each 0700; warn if an existing one is looser."""
-    missing: list[str] = []
-    probe = path
-    while True:
-        try:
-            st = os.stat(probe)
-        except (FileNotFoundError, NotADirectoryError):
-            missing.append(probe)
-            parent = os.path.dirname(probe)
-            if parent == probe:
-                raise _bad_folder(path, "no existing parent folder") from None
-            probe = parent
-            continue
-        except OSError as exc:
-            raise _bad_folder(path, f"{probe!r} cannot be inspected ({exc})") from exc
-        if not stat.S_ISDIR(st.st_mode):
-            raise _bad_folder(path, f"{probe!r} exists and is not a folder")
-        break
-    if not missing and st.st_mode & 0o077:
-        logger.warning(
-            "lmcache disk tier folder %s has mode %o: other users can list it. Its chunk files "
-            "are 0600, but consider 'chmod 700 %s'.",
-            path,
-            stat.S_IMODE(st.st_mode),
-            path,
-        )
-    for folder in reversed(missing):
-        try:
-            os.mkdir(folder, 0o700)
-            os.chmod(folder, 0o700)  # the umask may have cleared bits we set; it cannot add any
-        except FileExistsError:
-            if not os.path.isdir(folder):
-                raise _bad_folder(path, f"{folder!r} exists and is not a folder") from None
-        except OSError as exc:
-            raise _bad_folder(path, f"cannot create {folder!r} ({exc})") from exc
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _remove_if_abandoned(path: str) -> bool:
-    """Delete a temporary file whose writer is gone (its ``flock`` is free); ``True`` if gone."""
-    try:
-        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
-    except FileNotFoundError:
-        return True
-    except OSError:  # a symlink (not ours to keep), or unreadable
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        return True
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False  # a live writer holds it
-        _unlink(path)
-        return True
-    finally:
-        os.close(fd)
-
-
-def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
-    """Read up to ``len(buf)`` bytes at ``offset`` (looping over short reads); bytes read."""
-    done = 0
-    total = len(buf)
-    while done < total:
-        n = os.preadv(fd, [buf[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
 
 
 class DiskTier(LowerTier):
@@ -258,20 +128,18 @@ class DiskTier(LowerTier):
                 f"one chunk ({HEADER_BYTES} header bytes + the chunk's bytes), found {max_bytes} "
                 "bytes. Raise max_local_disk_size (GB), or unset local_disk."
             )
-        self._root = _local_path(path)
+        self._root = local_path(path)
         self._guard.breaker.describe = self._root
         self._max_bytes = int(max_bytes)
-        self._fsync = fsync
-        self._direct = direct_io and _O_DIRECT != 0
+        self._files = ChunkFiles(self._root, fsync=fsync, direct_io=direct_io)
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
-        self._index: dict[_Ident, _Entry] = {}
-        self._order: PrefixLRU[_Ident] = PrefixLRU()  # recency, parents, orphans
+        self._index: dict[Ident, _Entry] = {}
+        self._order: PrefixLRU[Ident] = PrefixLRU()  # recency, parents, orphans
         self._used = 0
-        self._seq = itertools.count()
         self._last_stamp = 0  # the newest mtime (ns) this tier gave a file: the LRU order
-        _make_folder(self._root)
-        self._probe_writable()
+        make_folder(self._root)
+        self._files.probe_writable()
         self._scan()
 
     # ------------------------------------------------------------------ properties
@@ -285,6 +153,11 @@ class DiskTier(LowerTier):
     def max_bytes(self) -> int:
         """The byte quota."""
         return self._max_bytes
+
+    @property
+    def _direct(self) -> bool:
+        """Whether aligned payloads are still read with ``O_DIRECT`` (off once refused)."""
+        return self._files.direct
 
     @property
     def used_bytes(self) -> int:
@@ -313,50 +186,10 @@ class DiskTier(LowerTier):
 
     # ------------------------------------------------------------------ start
 
-    def _probe_writable(self) -> None:
-        probe = os.path.join(self._root, f".lmcache-probe-{os.getpid()}-{next(self._seq)}")
-        try:
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o600))
-            _unlink(probe)
-        except OSError as exc:
-            raise _bad_folder(self._root, f"a file cannot be created in it ({exc})") from exc
-
     def _scan(self) -> None:
         """Rebuild the index from the folder, deleting what does not verify (see module doc)."""
-        found: list[tuple[int, _Ident, int, _Ident | None]] = []  # (mtime, ident, size, parent)
-        bad = stale = 0
-        for folder in list(os.scandir(self._root)):
-            if not (_HEX32.fullmatch(folder.name) and folder.is_dir(follow_symlinks=False)):
-                continue
-            fingerprint = bytes.fromhex(folder.name)
-            try:
-                if stat.S_IMODE(folder.stat(follow_symlinks=False).st_mode) != 0o700:
-                    os.chmod(folder.path, 0o700)  # our folder: keep it private
-                entries = list(os.scandir(folder.path))
-            except OSError as exc:
-                logger.warning("lmcache disk tier: skipping folder %s (%r)", folder.path, exc)
-                continue
-            for entry in entries:
-                if entry.name.startswith(TMP_PREFIX):
-                    stale += _remove_if_abandoned(entry.path)
-                    continue
-                match = _ENTRY.fullmatch(entry.name)
-                if match is None:
-                    continue
-                ident = (fingerprint, bytes.fromhex(match.group(1)))
-                try:
-                    size, mtime, parent = self._check_file(entry.path, ident)
-                except CorruptChunk as exc:
-                    logger.debug("lmcache disk tier: deleting %s at start (%s)", entry.path, exc)
-                    bad += 1
-                    _unlink(entry.path)
-                    continue
-                except OSError as exc:
-                    logger.warning("lmcache disk tier: skipping %s (%r)", entry.path, exc)
-                    continue
-                found.append((mtime, ident, size, parent))
-        found.sort(key=lambda item: item[0])
-        for mtime, ident, size, parent in found:
+        found, bad, stale = self._files.scan()
+        for ident, (size, mtime, parent) in found:
             self._index[ident] = (size, mtime)
             self._order.add(ident, parent)
             self._used += size
@@ -364,7 +197,7 @@ class DiskTier(LowerTier):
         with self._lock:
             victims = self._make_room(0) or []
         for victim in victims:
-            _unlink(self._file(*victim))
+            unlink(self._files.path(*victim))
         if bad or stale:
             logger.warning(
                 "lmcache disk tier %s: deleted %d chunk files that did not verify and %d "
@@ -382,52 +215,12 @@ class DiskTier(LowerTier):
             len(victims),
         )
 
-    @staticmethod
-    def _check_file(path: str, ident: _Ident) -> tuple[int, int, _Ident | None]:
-        """Size, mtime and parent (``None``: none recorded) of a chunk file whose header
-        matches its name; raises CorruptChunk."""
-        try:
-            # O_NONBLOCK: a FIFO under a chunk name must not block the start-up scan (it is
-            # no regular file: deleted below); regular files ignore the flag
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise CorruptChunk("a symlink under a chunk name") from exc
-            raise
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptChunk("not a regular file")
-            if stat.S_IMODE(st.st_mode) & 0o077:
-                with contextlib.suppress(OSError):
-                    os.fchmod(fd, 0o600)
-            header = ChunkHeader.decode(os.pread(fd, HEADER_BYTES, 0))
-        finally:
-            os.close(fd)
-        if (header.fingerprint, header.key) != ident:
-            raise CorruptChunk("the header names another key or fingerprint than the file name")
-        layers, tokens, width = header.shape
-        itemsize = torch.empty((), dtype=header.dtype).element_size()
-        if header.nbytes != layers * tokens * width * itemsize:
-            raise CorruptChunk("the payload length does not match the shape")
-        if st.st_size != HEADER_BYTES + header.nbytes:
-            raise CorruptChunk(
-                f"file is {st.st_size} bytes, expected {HEADER_BYTES + header.nbytes}"
-            )
-        parent = None if header.parent is None else (ident[0], header.parent)
-        return st.st_size, st.st_mtime_ns, parent
-
     # ------------------------------------------------------------------ helpers
 
-    def _folder(self, fingerprint: bytes) -> str:
-        return os.path.join(self._root, fingerprint.hex())
-
     def _file(self, fingerprint: bytes, key: bytes) -> str:
-        return os.path.join(self._root, fingerprint.hex(), key.hex() + SUFFIX)
+        return self._files.path(fingerprint, key)
 
-    def _make_room(
-        self, size: int, protect: Container[_Ident] = frozenset()
-    ) -> list[_Ident] | None:
+    def _make_room(self, size: int, protect: Container[Ident] = frozenset()) -> list[Ident] | None:
         """Drop entries from the index until ``size`` more bytes fit, in eviction order
         (orphans first, then least recently used; never those in ``protect``); caller holds the
         lock and deletes the returned entries' files. ``None`` (nothing dropped) when they
@@ -452,7 +245,7 @@ class DiskTier(LowerTier):
         self._last_stamp = base + count - 1
         return base
 
-    def _forget(self, ident: _Ident, entry: _Entry | None = None) -> None:
+    def _forget(self, ident: Ident, entry: _Entry | None = None) -> None:
         """Drop an entry from the index (only if it is still ``entry``, when given)."""
         with self._lock:
             found = self._index.get(ident)
@@ -471,13 +264,13 @@ class DiskTier(LowerTier):
                 found[i] = self._adopt((fingerprint, key))
         return found
 
-    def _adopt(self, ident: _Ident) -> bool:
+    def _adopt(self, ident: Ident) -> bool:
         """Index a chunk file another process wrote into the folder since this tier started
         (engines sharing one folder see each other's chunks). Its header and size are checked
         as at start; the payload is verified when it is read. A missing or bad file is ``False``
         (a bad one is deleted when read, or at the next start)."""
         try:
-            size, mtime, parent = self._check_file(self._file(*ident), ident)
+            size, mtime, parent = self._files.check(self._file(*ident), ident)
         except (CorruptChunk, OSError):
             return False
         with self._lock:
@@ -524,84 +317,14 @@ class DiskTier(LowerTier):
                 f"found device={out.device}, shape={tuple(out.shape)}, "
                 f"contiguous={out.is_contiguous()}."
             )
-        path = self._file(fingerprint, request.key)
         with self._lock:
             entry = self._index.get((fingerprint, request.key))
-        try:
-            fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
-        except FileNotFoundError:  # deleted meanwhile; keep a newer write's entry
+        result = self._files.read(fingerprint, request)
+        if result is None:  # deleted meanwhile; keep a newer write's entry
             if entry is not None:
                 self._forget((fingerprint, request.key), entry)
             return False
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                return CorruptChunk("a symlink under a chunk name")
-            raise
-        shape = (out.shape[0], out.shape[1], out.shape[2])
-        try:
-            head = os.pread(fd, HEADER_BYTES, 0)
-            if len(head) < HEADER_BYTES:
-                return CorruptChunk(f"file truncated inside the header ({len(head)} bytes)")
-            header = ChunkHeader.decode(head)
-            verify_chunk(
-                header, None, key=request.key, fingerprint=fingerprint, shape=shape, dtype=out.dtype
-            )
-            size = os.fstat(fd).st_size
-            if size != HEADER_BYTES + header.nbytes:
-                return CorruptChunk(
-                    f"file is {size} bytes, expected {HEADER_BYTES + header.nbytes}"
-                )
-            buf = out.reshape(-1).view(torch.uint8).numpy().data
-            got = self._read_payload(fd, path, buf, out.data_ptr())
-            if got != len(buf):
-                return CorruptChunk(f"payload truncated: read {got} of {len(buf)} bytes")
-            verify_chunk(
-                header, out, key=request.key, fingerprint=fingerprint, shape=shape, dtype=out.dtype
-            )
-        except CorruptChunk as exc:
-            return exc
-        finally:
-            os.close(fd)
-        return True
-
-    def _read_payload(self, fd: int, path: str, buf: memoryview, address: int) -> int:
-        """Read the payload into ``buf``; ``O_DIRECT`` for its aligned part when possible."""
-        bulk = len(buf) // _DIRECT_ALIGN * _DIRECT_ALIGN
-        if not (self._direct and bulk and address % _DIRECT_ALIGN == 0):
-            return _pread_into(fd, buf, HEADER_BYTES)
-        try:
-            direct = os.open(path, os.O_RDONLY | _O_DIRECT | _O_NOFOLLOW | _O_CLOEXEC)
-        except FileNotFoundError:
-            return _pread_into(fd, buf, HEADER_BYTES)  # replaced meanwhile: fd still reads
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self._no_direct(exc)
-            return _pread_into(fd, buf, HEADER_BYTES)
-        try:
-            if os.fstat(direct).st_ino != os.fstat(fd).st_ino:  # replaced between the opens
-                return _pread_into(fd, buf, HEADER_BYTES)
-            try:
-                got = _pread_into(direct, buf[:bulk], HEADER_BYTES)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._no_direct(exc)
-                return _pread_into(fd, buf, HEADER_BYTES)
-        finally:
-            os.close(direct)
-        if got != bulk:
-            return got
-        return bulk + _pread_into(fd, buf[bulk:], HEADER_BYTES + bulk)
-
-    def _no_direct(self, exc: OSError) -> None:
-        if self._direct:
-            self._direct = False
-            logger.info(
-                "lmcache disk tier %s: O_DIRECT refused (%r); reading through the page cache.",
-                self._root,
-                exc,
-            )
+        return result
 
     def _write(self, fingerprint: bytes, key: bytes, header: bytes, payload: memoryview) -> bool:
         """Write one chunk file; ``False`` (declined, nothing changed) when the quota has room
@@ -633,70 +356,28 @@ class DiskTier(LowerTier):
                             )
                     return True
                 self._forget(ident)
-                _unlink(final)
+                unlink(final)
             with self._lock:
                 victims = self._make_room(size, self._order.ancestors(up))
             if victims is None:
                 return False  # room only at the cost of its own prefix
             for victim in victims:
-                _unlink(self._file(*victim))
-            stamp = self._write_file(fingerprint, key, final, header, payload)
+                unlink(self._file(*victim))
+            stamp = self._files.write(fingerprint, key, header, payload, self._next_stamp)
             with self._lock:
                 self._index[ident] = (size, stamp)
                 self._order.add(ident, up)
                 self._used += size
         return True
 
-    def _write_file(
-        self, fingerprint: bytes, key: bytes, final: str, header: bytes, payload: memoryview
-    ) -> int:
-        """Write ``header + payload`` to a temporary file and rename it to ``final``; its mtime."""
-        folder = self._folder(fingerprint)
-        tmp = os.path.join(folder, f"{TMP_PREFIX}{key.hex()}-{os.getpid()}-{next(self._seq)}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
-        new_folder = False
-        try:
-            fd = os.open(tmp, flags, 0o600)
-        except FileNotFoundError:
-            try:
-                os.mkdir(folder, 0o700)
-                os.chmod(folder, 0o700)
-                new_folder = True
-            except FileExistsError:
-                pass
-            fd = os.open(tmp, flags, 0o600)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # marks the temp file as live
-                parts = [memoryview(header), payload]
-                while parts:
-                    n = os.writev(fd, parts)
-                    while parts and n >= len(parts[0]):
-                        n -= len(parts[0])
-                        parts.pop(0)
-                    if parts and n:
-                        parts[0] = parts[0][n:]
-                with self._lock:
-                    stamp = self._stamps(1)
-                os.utime(fd, ns=(stamp, stamp))
-                if self._fsync:
-                    os.fsync(fd)
-                os.replace(tmp, final)  # while the flock is held: a start scan leaves it be
-            finally:
-                os.close(fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                _unlink(tmp)
-            raise
-        if self._fsync:
-            _fsync_dir(folder)
-            if new_folder:
-                _fsync_dir(self._root)
-        return stamp
+    def _next_stamp(self) -> int:
+        """The mtime (ns) of a file being written: newer than any this tier gave before."""
+        with self._lock:
+            return self._stamps(1)
 
     def _delete(self, fingerprint: bytes, key: bytes) -> None:
         self._forget((fingerprint, key))
-        _unlink(self._file(fingerprint, key))
+        unlink(self._file(fingerprint, key))
 
     def _clear(self, fingerprint: bytes | None) -> None:
         with self._write_lock:
@@ -704,24 +385,7 @@ class DiskTier(LowerTier):
                 for ident in [i for i in self._index if fingerprint in (None, i[0])]:
                     self._used -= self._index.pop(ident)[0]
                     self._order.discard(ident)
-            if fingerprint is not None:
-                names = [fingerprint.hex()]
-            else:
-                names = [n for n in os.listdir(self._root) if _HEX32.fullmatch(n)]
-            for name in names:
-                folder = os.path.join(self._root, name)
-                try:
-                    entries = os.listdir(folder)
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
-                for entry in entries:
-                    if _ENTRY.fullmatch(entry):
-                        _unlink(os.path.join(folder, entry))
-                        progress()  # a large clear that keeps moving is not cut
-                    elif entry.startswith(TMP_PREFIX):
-                        _remove_if_abandoned(os.path.join(folder, entry))
-                with contextlib.suppress(OSError):  # other files, or a write creating one
-                    os.rmdir(folder)
+            self._files.clear(fingerprint, progress)
 
     def _close(self) -> None:
         """Nothing to release: the tier keeps no file open between operations."""

@@ -10,7 +10,8 @@ raise.
 
 Writes are asynchronous: :meth:`LowerTier.submit_write` (one chunk) and
 :meth:`LowerTier.submit_chain` (a run of one key chain, admitted head first) take a share of each
-chunk's host lease and queue it for one writer thread; when the queue holds
+chunk's host lease and queue it for one writer thread
+(:mod:`lmcache.tiers.write_queue`); when the queue holds
 ``write_queue_bytes`` already the write is dropped and counted (``dropped_writes``), never
 blocking the caller. The lease is released
 once the bytes are written (or dropped), so the host buffer cannot be reused under the write.
@@ -41,17 +42,17 @@ then probes again. Subclasses call :func:`~lmcache.tiers.tier_guard.progress` af
 from __future__ import annotations
 
 import logging
-import threading
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from lmcache.tiers.chunk_format import ChunkHeader, CorruptChunk
-from lmcache.tiers.tier_guard import TierGuard, TierTimeout, TierUnavailable
+from lmcache.errors import CorruptChunk, TierTimeout, TierUnavailable
+from lmcache.tiers.chunk_format import ChunkHeader
+from lmcache.tiers.tier_guard import TierGuard
+from lmcache.tiers.write_queue import QueuedWrite, WriteQueue
 
 if TYPE_CHECKING:
     from lmcache.memory import MemoryLease
@@ -78,26 +79,6 @@ class ReadRequest:
     key: bytes
     out: torch.Tensor
     lease: MemoryLease | None = None
-
-
-@dataclass(eq=False)
-class _Run:
-    """A run of one chain being written head first (tiers that choose their victims)."""
-
-    remaining: int  # writes of the run not done yet
-    written: list[bytes] = field(default_factory=list)  # keys written, in chain order
-    broken: bool = False  # a write was declined, failed or dropped: the rest are orphans
-
-
-@dataclass(eq=False)
-class _Write:
-    fingerprint: bytes
-    key: bytes
-    lease: MemoryLease
-    checksum: int | None
-    metrics: LMCacheMetrics
-    parent: bytes | None = None
-    run: _Run | None = None
 
 
 class LowerTier(ABC):
@@ -136,13 +117,13 @@ class LowerTier(ABC):
             failures=backoff_failures,
             cooldown=backoff_s,
         )
-        self._queue: deque[_Write] = deque()
-        self._queued_bytes = 0
-        self._busy = 0
-        self._write_limit = write_queue_bytes
-        self._cond = threading.Condition()
-        self._writer: threading.Thread | None = None
-        self._closed = False
+        self._writes = WriteQueue(
+            write_queue_bytes,
+            f"lmcache-{self.kind}-writer",
+            head_first=self.chooses_victims,
+            write=self._write_item,
+            run_written=self._run_written,
+        )
         self._logged: set[str] = set()
 
     # ------------------------------------------------------------------ subclass primitives
@@ -348,84 +329,16 @@ class LowerTier(ABC):
                 "one parent per chunk (None for a chain's head) or parents=None."
             )
         ups: Sequence[bytes | None] = [None] * len(chunks) if parents is None else parents
-        head_first = self.chooses_victims
-        admitted: list[_Write] = []
-        with self._cond:
-            queued = self._queued_bytes
-            for (key, lease, checksum), parent in zip(chunks, ups, strict=True):
-                if self._closed or (
-                    (self._queue or admitted) and queued + lease.nbytes > self._write_limit
-                ):
-                    break
-                admitted.append(
-                    _Write(
-                        fingerprint,
-                        key,
-                        lease.share(),
-                        checksum,
-                        metrics,
-                        parent if head_first else None,
-                    )
-                )
-                queued += lease.nbytes
-            if head_first and admitted:
-                run = _Run(len(admitted))
-                for item in admitted:
-                    item.run = run
-                self._queue.extend(admitted)
-            else:
-                self._queue.extend(reversed(admitted))
-            self._queued_bytes = queued
-            if admitted and self._writer is None:
-                self._writer = threading.Thread(
-                    target=self._write_loop, name=f"lmcache-{self.kind}-writer", daemon=True
-                )
-                self._writer.start()
-            self._cond.notify_all()
-        if len(admitted) < len(chunks):
-            metrics.dropped_writes.inc(len(chunks) - len(admitted))
-        return len(admitted)
+        return self._writes.submit(fingerprint, chunks, ups, metrics)
 
-    def _write_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                item = self._queue.popleft()
-                self._busy += 1
-            try:
-                self._write_one(item)
-            finally:
-                nbytes = item.lease.nbytes
-                item.lease.release()
-                with self._cond:
-                    self._busy -= 1
-                    self._queued_bytes -= nbytes
-                    self._cond.notify_all()
+    def _run_written(self, item: QueuedWrite, keys: list[bytes]) -> None:
+        """A head-first run is written: let the tier reorder it (:meth:`_chain_written`)."""
+        try:
+            self._chain_written(item.fingerprint, keys)
+        except Exception as exc:
+            self._error("mark chunks used", exc, item.metrics)
 
-    def _write_one(self, item: _Write) -> None:
-        run = item.run
-        if run is not None and run.broken:
-            item.metrics.dropped_writes.inc()  # its parent was not written: an orphan
-            written = False
-        else:
-            written = self._write_item(item)
-        if run is None:
-            return
-        if written:
-            run.written.append(item.key)
-        else:
-            run.broken = True
-        run.remaining -= 1
-        if run.remaining == 0 and len(run.written) > 1:  # one chunk is the most recent
-            try:
-                self._chain_written(item.fingerprint, run.written)
-            except Exception as exc:
-                self._error("mark chunks used", exc, item.metrics)
-
-    def _write_item(self, item: _Write) -> bool:
+    def _write_item(self, item: QueuedWrite) -> bool:
         """Write one chunk; whether it was written (failures and refusals are counted)."""
         from lmcache.tiers.cpu_tier import tensor_checksum
 
@@ -456,14 +369,12 @@ class LowerTier(ABC):
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is done; returns ``False`` on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+        return self._writes.flush(timeout)
 
     @property
     def queued_writes(self) -> int:
         """Writes queued or in progress."""
-        with self._cond:
-            return len(self._queue) + self._busy
+        return self._writes.pending
 
     def delete(self, fingerprint: bytes, key: bytes, metrics: LMCacheMetrics) -> None:
         """Delete one entry (errors counted, not raised)."""
@@ -487,22 +398,8 @@ class LowerTier(ABC):
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish queued writes (up to ``timeout`` s; the rest are dropped), then release."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._cond.notify_all()
-        self.flush(timeout)
-        with self._cond:
-            dropped = list(self._queue)
-            self._queue.clear()
-            self._cond.notify_all()
-        for item in dropped:
-            item.metrics.dropped_writes.inc()
-            item.lease.release()
-        writer = self._writer
-        if writer is not None:
-            writer.join(timeout)
+        if not self._writes.close(timeout):
+            return  # closed before
         self._guard.close()
         try:
             self._close()

@@ -59,20 +59,24 @@ import math
 import os
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 import torch
 
-from lmcache.config import ConfigError
-from lmcache.tiers.chunk_format import HEADER_BYTES, ChunkHeader, CorruptChunk, verify_chunk
+from lmcache.errors import ConfigError, CorruptChunk
+from lmcache.tiers.chunk_format import HEADER_BYTES, ChunkHeader, verify_chunk
 from lmcache.tiers.lower_tier import LowerTier, ReadRequest
+from lmcache.tiers.redis_client import (
+    RedisConnection,
+    is_cluster,
+    require_redis,
+    send_packed,
+    unlink_names,
+)
 from lmcache.tiers.redis_url import mask_url, parse_remote_url
-from lmcache.tiers.tier_guard import Breaker, TierUnavailable, progress
-
-if TYPE_CHECKING:
-    import redis
+from lmcache.tiers.tier_guard import Breaker, progress
 
 __all__ = ["PASSWORD_ENV", "RedisTier", "mask_url"]
 
@@ -81,15 +85,8 @@ logger = logging.getLogger(__name__)
 #: Environment variable holding the server password when the URL has none.
 PASSWORD_ENV = "LMCACHE_REMOTE_PASSWORD"
 
-_T = TypeVar("_T")
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.\-/]+")
 _SCAN_COUNT = 1000
-#: redis-py < 5.3 needs a command name for ``ConnectionPool.get_connection`` (later ones warn).
-_OLD_REDIS_PY: bool | None = None
-
-
-_Unavailable = TierUnavailable
-"""The circuit breaker is open: the operation was not tried (counted as a tier error)."""
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -157,40 +154,26 @@ class RedisTier(LowerTier):
                     f"RedisTier {name}: expected a positive finite number (ttl: None or >= "
                     f"0.001 s, breaker_failures >= 1), found {value!r}."
                 )
-        try:
-            import redis
-        except ImportError as exc:
-            raise ImportError(
-                "lmcache's remote tier (remote_url) needs redis-py: pip install 'redis>=5.0' "
-                "hiredis (lmcache-core's [redis] extra)"
-            ) from exc
-        global _OLD_REDIS_PY
-        if _OLD_REDIS_PY is None:
-            from packaging.version import Version
-
-            _OLD_REDIS_PY = Version(redis.__version__) < Version("5.3")
+        require_redis()
         super().__init__(write_queue_bytes=write_queue_bytes, tier_timeout=tier_timeout)
-        self._target = target
         self._masked = mask_url(url)
         self._guard.breaker.describe = self._masked
         self._namespace = namespace
-        self._timeout = float(timeout)
         self._ttl_ms = None if ttl is None else max(1, round(ttl * 1000))
-        self._password = os.environ.get(PASSWORD_ENV) or None
-        self._client_lock = threading.Lock()
         self._decoder_lock = threading.Lock()
         self._decode_pool: ThreadPoolExecutor | None = None
-        self._client_obj: Any = None  # redis.Redis or redis.cluster.RedisCluster, made lazily
         self._breaker = Breaker(
             breaker_failures, breaker_cooldown, self._masked, label="lmcache remote tier"
         )
+        password = os.environ.get(PASSWORD_ENV) or None
+        self._conn = RedisConnection(target, password, float(timeout), self._breaker)
         client: Any = None
         try:  # not through the breaker: a failure here is logged once, below
-            client = self._client()
+            client = self._conn.client()
             client.ping()
         except Exception as exc:
             if client is not None:
-                self._drop_connections(client)
+                self._conn.drop_connections(client)
             self._breaker.trip()
             logger.warning(
                 "lmcache remote tier: %s unreachable at start (%r); running degraded (every "
@@ -202,105 +185,6 @@ class RedisTier(LowerTier):
 
     def __repr__(self) -> str:
         return f"RedisTier({self._masked!r}, namespace={self._namespace!r})"
-
-    # ------------------------------------------------------------------ connections
-
-    def _connection_kwargs(self) -> dict[str, Any]:
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        return {
-            "socket_timeout": self._timeout,
-            "socket_connect_timeout": self._timeout,
-            "retry": Retry(NoBackoff(), 0),
-            "health_check_interval": 0,
-            "socket_read_size": 1 << 20,
-            "protocol": 2,
-        }
-
-    def _make_client(self) -> Any:
-        import redis
-        from redis.cluster import RedisCluster
-        from redis.sentinel import Sentinel
-
-        target = self._target
-        kwargs = self._connection_kwargs()
-        if target.mode == "sentinel":
-            sentinel_kwargs = dict(kwargs, ssl=target.ssl)
-            sentinel_cls: Any = Sentinel  # redis-py leaves Sentinel untyped
-            sentinel = sentinel_cls(list(target.sentinels), sentinel_kwargs=sentinel_kwargs)
-            return sentinel.master_for(
-                target.service,
-                db=target.db,
-                username=target.username,
-                password=target.password or self._password,
-                ssl=target.ssl,
-                **kwargs,
-            )
-        if self._password is not None:
-            kwargs["password"] = self._password  # the URL's password, if any, wins
-        if target.mode == "cluster":
-            kwargs.pop("health_check_interval")
-            return RedisCluster.from_url(target.url, **kwargs)
-        pool = redis.ConnectionPool.from_url(target.url, **kwargs)
-        return redis.Redis(connection_pool=pool)
-
-    def _client(self) -> Any:
-        with self._client_lock:
-            if self._client_obj is None:
-                self._client_obj = self._make_client()
-            return self._client_obj
-
-    def _drop_connections(self, client: Any) -> None:
-        """After a network failure: forget idle connections (stale once the server restarts)."""
-        from redis.cluster import RedisCluster
-
-        try:
-            if isinstance(client, RedisCluster):
-                with self._client_lock:
-                    if self._client_obj is client:
-                        self._client_obj = None
-                client.close()  # rediscover the topology next time
-            else:
-                client.connection_pool.disconnect(inuse_connections=False)
-        except Exception:  # pragma: no cover - best effort
-            logger.debug("lmcache remote tier: dropping connections failed", exc_info=True)
-
-    def _run(self, op: Callable[[Any], _T]) -> _T:
-        """Run ``op(client)`` through the circuit breaker.
-
-        Raises:
-            _Unavailable: the breaker is open.
-            Exception: whatever ``op`` raised (network failures are counted by the breaker).
-        """
-        from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
-        from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import TimeoutError as RedisTimeoutError
-
-        trial = self._breaker.admit()
-        client: Any = None
-        try:
-            client = self._client()
-            result = op(client)
-        except (
-            RedisConnectionError,
-            RedisTimeoutError,
-            RedisClusterException,
-            ClusterDownError,
-            OSError,
-        ) as exc:
-            self._breaker.record(False, trial, exc)
-            if client is not None:
-                self._drop_connections(client)
-            raise
-        except RedisError:
-            self._breaker.record(True, trial)  # the server answered (e.g. OOM): it is reachable
-            raise
-        except BaseException:
-            self._breaker.record(None, trial)
-            raise
-        self._breaker.record(True, trial)
-        return result
 
     def _name(self, fingerprint: bytes, key: bytes) -> bytes:
         return f"{self._namespace}:{fingerprint.hex()}:{key.hex()}".encode("ascii")
@@ -316,7 +200,7 @@ class RedisTier(LowerTier):
                 pipe.exists(name)
             return list(pipe.execute())
 
-        return [bool(n) for n in self._run(op)]
+        return [bool(n) for n in self._conn.run(op)]
 
     def _read_groups(self, requests: Sequence[ReadRequest]) -> list[tuple[int, int]]:
         groups: list[tuple[int, int]] = []
@@ -357,7 +241,7 @@ class RedisTier(LowerTier):
                         pipe.get(name)
                     return list(pipe.execute())
 
-                values = self._run(op)
+                values = self._conn.run(op)
                 if not progress():  # abandoned past its deadline: nobody reads the rest
                     return results
                 if pending is not None and not pending.result():
@@ -431,14 +315,13 @@ class RedisTier(LowerTier):
         ]
 
         def op(client: Any) -> None:
-            from redis.cluster import RedisCluster
             from redis.exceptions import ResponseError
 
-            if isinstance(client, RedisCluster):
+            if is_cluster(client):
                 cluster: Any = client  # partly untyped in redis-py
                 pool = cluster.get_redis_connection(cluster.get_node_from_key(name)).connection_pool
                 try:
-                    _send(pool, parts)
+                    send_packed(pool, parts)
                 except ResponseError as exc:
                     if not str(exc).startswith(("MOVED", "ASK")):
                         raise
@@ -446,22 +329,20 @@ class RedisTier(LowerTier):
                     value = b"".join([header, payload])
                     client.set(name, value, px=self._ttl_ms)
                 return
-            _send(client.connection_pool, parts)
+            send_packed(client.connection_pool, parts)
 
-        self._run(op)
+        self._conn.run(op)
 
     def _delete(self, fingerprint: bytes, key: bytes) -> None:
         name = self._name(fingerprint, key)
-        self._run(lambda client: client.unlink(name))
+        self._conn.run(lambda client: client.unlink(name))
 
     def _clear(self, fingerprint: bytes | None) -> None:
         middle = "*" if fingerprint is None else fingerprint.hex() + ":*"
         pattern = f"{self._namespace}:{middle}"
 
         def op(client: Any) -> None:
-            from redis.cluster import RedisCluster
-
-            if isinstance(client, RedisCluster):
+            if is_cluster(client):
                 cluster: Any = client  # partly untyped in redis-py
                 nodes = [cluster.get_redis_connection(n) for n in cluster.get_primaries()]
             else:
@@ -471,28 +352,19 @@ class RedisTier(LowerTier):
                 for name in node.scan_iter(match=pattern, count=_SCAN_COUNT):
                     batch.append(name)
                     if len(batch) >= _SCAN_COUNT:
-                        _unlink(node, batch)
+                        unlink_names(node, batch)
                         batch = []
                 if batch:
-                    _unlink(node, batch)
+                    unlink_names(node, batch)
 
-        self._run(op)
+        self._conn.run(op)
 
     def _close(self) -> None:
         with self._decoder_lock:
             pool, self._decode_pool = self._decode_pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        with self._client_lock:
-            client, self._client_obj = self._client_obj, None
-        if client is None:
-            return
-        from redis.cluster import RedisCluster
-
-        if isinstance(client, RedisCluster):
-            client.close()
-        else:
-            client.connection_pool.disconnect()
+        self._conn.close()
 
     @property
     def breaker_open(self) -> bool:
@@ -503,29 +375,3 @@ class RedisTier(LowerTier):
     def url(self) -> str:
         """The URL with its password masked."""
         return self._masked
-
-
-def _unlink(node: redis.Redis, names: list[bytes]) -> None:
-    """``UNLINK`` each name, one pipelined round trip (one key per command: cluster-safe)."""
-    pipe = node.pipeline(transaction=False)
-    for name in names:
-        pipe.unlink(name)
-    pipe.execute()
-
-
-def _send(pool: Any, parts: Sequence[bytes | memoryview]) -> None:
-    """Send one packed command from ``parts`` as they are (no concatenation) and check the reply.
-
-    Raises:
-        redis.exceptions.RedisError: an error reply, a timeout or a lost connection (the
-            connection is then dropped, not returned to the pool in an unknown state).
-    """
-    conn = pool.get_connection("SET") if _OLD_REDIS_PY else pool.get_connection()
-    try:
-        conn.send_packed_command(parts, check_health=False)
-        conn.read_response()
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        pool.release(conn)

@@ -2,7 +2,7 @@
 """Parsing and masking of the remote tier's ``remote_url`` (forms: :mod:`lmcache.tiers.redis_tier`).
 
 :func:`parse_remote_url` validates a URL before any connection is made and raises
-:class:`~lmcache.config.ConfigError` naming ``remote_url``, the expected forms and the fix, with
+:class:`~lmcache.errors.ConfigError` naming ``remote_url``, the expected forms and the fix, with
 the password masked by :func:`mask_url` (which also masks ``password=`` query parameters).
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from lmcache.config import ConfigError
+from lmcache.errors import ConfigError
 
 __all__ = ["RemoteTarget", "mask_url", "parse_remote_url"]
 

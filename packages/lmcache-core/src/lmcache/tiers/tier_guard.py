@@ -31,6 +31,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from lmcache.errors import TierTimeout, TierUnavailable
+
 if TYPE_CHECKING:
     from lmcache.memory import MemoryLease
 
@@ -39,16 +41,6 @@ __all__ = ["Breaker", "TierGuard", "TierTimeout", "TierUnavailable", "progress"]
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-class TierUnavailable(ConnectionError):
-    """The tier is backing off (breaker open, or too many abandoned calls still running): the
-    operation was not tried. A miss, counted as a tier error."""
-
-
-class TierTimeout(TimeoutError):
-    """A tier call made no progress within its deadline and was abandoned. A miss, counted as
-    a tier timeout (and a tier error)."""
 
 
 class Breaker:
