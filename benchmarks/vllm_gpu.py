@@ -3,27 +3,35 @@
 
 Run on a CUDA machine with vLLM importable (offline: ``tools/gpu_engines/README.md``)::
 
-    python benchmarks/vllm_gpu.py [--tokens 16384] [--reps 5] [--rounds 3] [--tput-reps 5]
-        [--checksum {default,on,off}] [--profile DIR [--no-cprofile]]
+    python benchmarks/vllm_gpu.py [--quick] [--layers {8,32}] [--tokens 16384] [--reps 5]
+        [--rounds 3] [--tput-reps 5] [--checksum {default,on,off}] [--profile DIR]
 
-Model: a random 8-layer Llama with Llama-3-8B attention geometry (hidden 4096, 32 query heads,
-8 KV heads of 128, bf16; 16k tokens = 512 MiB of KV), built locally. Engines run one after the
-other in this process, eager mode, 16-token blocks: no lmcache, then lmcache with the given
-config (an empty tier, its host pool pinned before timing); with ``--rounds N``, N fresh engines
-of each in ABBA order (base, lmcache, lmcache, base, ...), every figure the median over all
-rounds' samples, so that the machine's drift during a run weighs on both alike (each round's
-ratios are printed too). Per engine:
+``--smoke`` runs it all on a 2-layer model and 1k-token prompts (vLLM's CPU build without a
+GPU): it checks the script, not lmcache.
+
+Model: a random Llama with Llama-3-8B attention geometry (hidden 4096, 32 query heads, 8 KV
+heads of 128, MLP 8192, bf16), 32 layers (16k tokens = 2 GiB of KV) or ``--layers 8``, built
+locally under the temporary folder (the 32-layer one, 9.6 GB, once per machine). Engines run
+one after the other in this process, eager mode, 16-token blocks: no lmcache, then lmcache with
+the given config (an empty tier, its host pool pinned before timing); with ``--rounds N``, N
+fresh engines of each in ABBA order (base, lmcache, lmcache, base, ...), every figure the median
+over all rounds' samples, so that the machine's drift during a run weighs on both alike (each
+round's ratios are printed too). Per engine:
 
 - ``cold``: TTFT of a prompt never seen (vLLM's own figure, ``RequestOutput.metrics.
   first_token_latency``: what ``vllm:time_to_first_token_seconds`` reports), median over
   ``--reps``; ``generate()``'s wall time (``max_tokens=1``) is printed beside it;
+- ``floor``: the same prompts again at once, served by vLLM's own prefix cache (one token
+  computed: the decode step of the bound below);
 - ``warm``: the same prompts again after ``reset_prefix_cache()`` (vLLM's own cache emptied:
   without lmcache that is a recompute, with lmcache a load);
 - ``throughput``: prompt tokens per second for a batch of distinct 2k-token prompts (0 % reuse),
   median over ``--tput-reps`` batches of new prompts.
 
 Targets printed next to the figures: cold within +2 %, throughput at least 99 % of no-lmcache,
-warm at least 3x faster than recompute.
+warm at least 3x faster than recompute, and warm at most 1.3x the *physical bound*: the
+prompt's KV bytes over a pinned host-to-device copy (timed with CUDA events before the engines
+start) plus vLLM alone's ``floor``, both measured in the same run.
 
 ``--gpu-trace`` adds, per engine, where the GPU's time went during the cold requests and the
 throughput batches (``torch.profiler``, CUDA activity only): kernel time on vLLM's stream and on
