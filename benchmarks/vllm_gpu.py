@@ -10,13 +10,13 @@ Run on a CUDA machine with vLLM importable (offline: ``tools/gpu_engines/README.
 GPU): it checks the script, not lmcache.
 
 Model: a random Llama with Llama-3-8B attention geometry (hidden 4096, 32 query heads, 8 KV
-heads of 128, MLP 8192, bf16), 32 layers (16k tokens = 2 GiB of KV) or ``--layers 8``, built
-locally under the temporary folder (the 32-layer one, 9.6 GB, once per machine). Engines run
-one after the other in this process, eager mode, 16-token blocks: no lmcache, then lmcache with
-the given config (an empty tier, its host pool pinned before timing); with ``--rounds N``, N
-fresh engines of each in ABBA order (base, lmcache, lmcache, base, ...), every figure the median
-over all rounds' samples, so that the machine's drift during a run weighs on both alike (each
-round's ratios are printed too). Per engine:
+heads of 128, bf16), 32 layers with MLP 4096 (16k tokens = 2 GiB of KV; 6.4 GB of weights, built
+once per machine under the temporary folder) or ``--layers 8`` with MLP 8192. Engines run one
+after the other in this process, eager mode, 16-token blocks: no lmcache, then lmcache with the
+given config (an empty tier, its host pool pinned before timing); with ``--rounds N``, N fresh
+engines of each in ABBA order (base, lmcache, lmcache, base, ...), every figure the median over
+all rounds' samples, so that the machine's drift during a run weighs on both alike (each round's
+ratios are printed too). Per engine:
 
 - ``cold``: TTFT of a prompt never seen (vLLM's own figure, ``RequestOutput.metrics.
   first_token_latency``: what ``vllm:time_to_first_token_seconds`` reports), median over
@@ -195,14 +195,15 @@ def main() -> None:
         args.tokens, args.layers = min(args.tokens, 1024), 2
     args.reps = args.reps or (2 if args.smoke else 3 if args.quick else 5)
     args.batch = args.batch or (2 if args.smoke else 16 if args.quick else 32)
-    # the smoke: lmcache_vllm.testing's tiny Llama; else Llama-3-8B attention, MLP 8192
+    # the smoke: lmcache_vllm.testing's tiny Llama; else Llama-3-8B attention, MLP 8192 at 8
+    # layers and 4096 at 32 (6.4 GB of weights, built in well under a minute)
     geometry = (
         {"hidden_size": 256, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "vocab_size": 1000}
         if args.smoke
         else {"hidden_size": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
     )
     geometry.setdefault("vocab_size", 32000)
-    geometry["intermediate_size"] = 512 if args.smoke else 8192
+    geometry["intermediate_size"] = 512 if args.smoke else 8192 if args.layers == 8 else 4096
     vocab = geometry["vocab_size"]
     if args.sync_saves:
         from lmcache_vllm.save_queue import SaveQueue
@@ -253,7 +254,7 @@ def main() -> None:
     # the physical bound's transfer part: the prompt's KV over a pinned host-to-device copy
     kv_bytes = args.tokens * args.layers * 2 * kv_heads * head * 2
     h2d_ms = h2d_ceiling_ms(kv_bytes)
-    runs.ENGINE_MEMORY = 0.3 if args.layers > 8 else 0.1  # 32 layers: 9.6 GB of weights
+    runs.ENGINE_MEMORY = 0.3 if args.layers > 8 else 0.1  # 32 layers: 6.4 GB of weights
 
     if args.first_prefix_hit:
         first_prefix_hit(model, max_len, prompts)
