@@ -266,7 +266,10 @@ def main() -> None:
         jobs=args.cprofile_jobs,
         spans=args.gpu_trace,
     )
-    extra: dict[str, Any] = {"lmcache.max_local_cpu_size": 8.0}
+    # room for every prompt of an engine (2 GiB each at 32 layers): a warm request must not find
+    # its prompt evicted by the cold ones after it
+    pool_gib = max(8.0, (args.reps + 1) * kv_bytes / 2**30 + 1)
+    extra: dict[str, Any] = {"lmcache.max_local_cpu_size": pool_gib}
     if args.checksum != "default":
         extra["lmcache.checksum"] = args.checksum == "on"
     kv = {
