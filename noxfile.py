@@ -331,26 +331,123 @@ def bench(session: nox.Session) -> None:
         session.run("python", script)
 
 
-@nox.session(python=False)
-def gpu(session: nox.Session) -> None:
-    """CUDA tests (``-m gpu``) with the interpreter at hand; skipped with a reason without a GPU.
+# `nox -s gpu` on an offline CUDA machine: engine bundles from tools/gpu_engines/build_bundle.sh,
+# found in these folders (or those LMCACHE_GPU_BUNDLES lists, os.pathsep-separated), each unpacked
+# once into its own site folder that goes first on PYTHONPATH for that engine's tests.
+GPU_BUNDLE_DIRS = (".eng", ".eng-sgl")
+GPU_SITE = "/tmp/lmcache-{engine}-site"  # benchmarks/vllm_gpu.py reads vLLM from the same place
+GPU_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+# vLLM: scheduler and worker in this process (engines start in seconds, the tests patch them);
+# FlashInfer's sampler JIT-builds kernels the bundle does not carry.
+VLLM_GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+GPU_PACKAGES = ("lmcache-core", "lmcache-vllm", "lmcache-sglang")
 
-    Run on a CUDA machine whose Python has torch, PyYAML, xxhash, prometheus-client and pytest:
-    ``pip install --no-build-isolation --no-deps -e packages/lmcache-core -e packages/lmcache-vllm``
-    then ``nox -s gpu``.
+
+def gpu_bundles(root: pathlib.Path = pathlib.Path(".")) -> dict[str, pathlib.Path]:
+    """``{"vllm": folder, "sglang": folder}`` for every engine bundle present.
+
+    A bundle is a folder holding ``vllm-*.tar.xz`` (or ``vllm-nofa-*``) or ``sglang-*.tar.xz``
+    beside its ``deps.tar.xz``, as ``build_bundle.sh`` writes it.
     """
-    if shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidia0"):
-        session.skip("no CUDA GPU on this machine (nvidia-smi not found): run `nox -s gpu` on one")
+    listed = os.environ.get("LMCACHE_GPU_BUNDLES")
+    folders = listed.split(os.pathsep) if listed else GPU_BUNDLE_DIRS
+    found: dict[str, pathlib.Path] = {}
+    for folder in filter(None, folders):
+        path = root / folder
+        for engine in ("vllm", "sglang"):
+            if engine not in found and any(path.glob(f"{engine}-*.tar.xz")):
+                found[engine] = path
+    return found
+
+
+def _unpack_bundle(session: nox.Session, engine: str, bundle: pathlib.Path) -> str:
+    """Unpack ``bundle``'s ``*.tar.xz`` into the engine's site folder (once per bundle)."""
+    import tarfile
+
+    site = pathlib.Path(GPU_SITE.format(engine=engine))
+    tars = sorted(bundle.glob("*.tar.xz"))
+    stamp = "\n".join(f"{t.name} {t.stat().st_size} {t.stat().st_mtime_ns}" for t in tars)
+    marker = site / ".lmcache-bundle"
+    if marker.is_file() and marker.read_text() == stamp:
+        session.log(f"{engine}: bundle {bundle} already unpacked in {site}")
+        return str(site)
+    session.log(f"{engine}: unpacking {bundle} into {site}")
+    shutil.rmtree(site, ignore_errors=True)
+    site.mkdir(parents=True)
+    for tar in tars:
+        with tarfile.open(tar) as archive:
+            archive.extractall(site, filter="tar")
+    marker.write_text(stamp)
+    return str(site)
+
+
+def _pytest_gpu(
+    session: nox.Session, paths: list[str], site: str | None, env: dict[str, str]
+) -> None:
+    import sys
+
+    path = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
     session.run(
-        "python",
+        sys.executable,
         "-m",
         "pytest",
         "-m",
         "gpu",
         "-q",
         "-rs",
-        "packages/lmcache-core/tests",
-        "packages/lmcache-vllm/tests/unit",
-        "packages/lmcache-sglang/tests/unit",
+        "-p",
+        "no:cacheprovider",
+        *paths,
         *session.posargs,
+        env={**GPU_ENV, **env, **({"PYTHONPATH": path} if path else {})},
     )
+
+
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """CUDA tests with the interpreter at hand; skipped with a reason without a GPU.
+
+    The GPU unit tests (``-m gpu``) of lmcache-core, lmcache-vllm and lmcache-sglang, then the
+    real-engine tests of each engine whose offline bundle (``tools/gpu_engines/build_bundle.sh``)
+    is in ``.eng``/``.eng-sgl`` or ``LMCACHE_GPU_BUNDLES``: real vLLM (store -> reset -> hit,
+    output identical to vLLM alone) with the vLLM bundle on ``PYTHONPATH``, real SGLang with the
+    SGLang one; an engine without a bundle is skipped with a line saying so. Our packages are
+    installed editable (``--no-deps``, no network) when not importable. ``nox -s gpu -- ARGS``
+    passes ARGS to every pytest run. Needs torch, PyYAML, xxhash, prometheus-client and pytest
+    (``tools/gpu_engines/README.md``: nox itself comes from wheels carried along).
+    """
+    import importlib.util
+    import sys
+
+    if shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidia0"):
+        session.skip("no CUDA GPU on this machine (nvidia-smi not found): run `nox -s gpu` on one")
+    modules = ("lmcache", "lmcache_vllm", "lmcache_sglang")
+    if any(importlib.util.find_spec(m) is None for m in modules):
+        session.run(
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-build-isolation",
+            "--no-deps",
+            *_editable(*GPU_PACKAGES),
+        )
+    bundles = gpu_bundles()
+    sites = {engine: _unpack_bundle(session, engine, path) for engine, path in bundles.items()}
+    for engine in ("vllm", "sglang"):
+        if engine not in bundles:
+            session.log(
+                f"{engine}: no bundle in {os.environ.get('LMCACHE_GPU_BUNDLES') or GPU_BUNDLE_DIRS}"
+                f"; its real-engine tests are skipped (tools/gpu_engines/README.md builds one)"
+            )
+    unit = ["packages/lmcache-core/tests", "packages/lmcache-vllm/tests/unit"]
+    sglang_unit = "packages/lmcache-sglang/tests/unit"
+    vllm_paths = ["packages/lmcache-vllm/tests/gpu"] if "vllm" in sites else []
+    # SGLang's unit tests run beside its engine when its bundle is here, else with the others.
+    first = unit + ([] if "sglang" in sites else [sglang_unit]) + vllm_paths
+    _pytest_gpu(session, first, sites.get("vllm"), VLLM_GPU_ENV if vllm_paths else {})
+    if "sglang" in sites:
+        _pytest_gpu(
+            session, [sglang_unit, "packages/lmcache-sglang/tests/gpu"], sites["sglang"], {}
+        )

@@ -22,7 +22,8 @@ Llama-8B geometry (32 layers, 8 KV heads of 128, bf16, 16-token pages, shuffled)
   and the forward waits per layer on the device);
 - ``no lease``: the same loads from ``start_load_kv`` alone, without a lookup first (a hit whose
   lease was lost: the load looks the chunks up and copies them itself);
-- the pinned device-to-host ceiling for the same bytes, measured in the same run.
+- the pinned device-to-host ceiling for the same bytes, measured in the same run (device time
+  between CUDA events).
 
 It first checks that what was saved loads back bit for bit (poisoned pages).
 """
@@ -30,7 +31,8 @@ It first checks that what was saved loads back bit for bit (poisoned pages).
 from __future__ import annotations
 
 import argparse
-import statistics
+import pathlib
+import sys
 import time
 from typing import Any
 
@@ -45,6 +47,9 @@ from lmcache_vllm.testing import connector_vllm_config
 from lmcache_vllm.transfer_plan import slot_mapping
 from lmcache_vllm.vllm_v1_adapter import load_lmcache_config
 from lmcache_vllm.worker import WorkerSide
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _common import event_ms, median
 
 LAYERS, HEADS, HEAD, PAGE, CHUNK = 32, 8, 128, 16, 256
 DTYPE = torch.bfloat16
@@ -156,10 +161,6 @@ def timed_load(bench: Bench, tokens: list[int], blocks: list[int], rid: str, loo
     return ms
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
 def run(n: int, reps: int, step_ms: float, checksum: bool) -> dict[str, float | bool]:
     num_blocks = 2 * n // PAGE + 8
     bench = Bench(num_blocks, layerwise=False, checksum=checksum)
@@ -168,13 +169,7 @@ def run(n: int, reps: int, step_ms: float, checksum: bool) -> dict[str, float | 
     nbytes = n * LAYERS * HEADS * 2 * HEAD * 2
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
-    ceil = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        host.copy_(dev, non_blocking=True)
-        torch.cuda.synchronize()
-        ceil.append((time.perf_counter() - t) * 1e3)
+    ceil = event_ms(torch.device("cuda"), lambda: host.copy_(dev, non_blocking=True), reps)
 
     # correctness: save, poison, load, compare
     tokens, blocks = bench.request(n, 0)
@@ -235,17 +230,17 @@ def run(n: int, reps: int, step_ms: float, checksum: bool) -> dict[str, float | 
     return {
         "n": n,
         "mib": nbytes / 2**20,
-        "ceil_ms": _median(ceil),
-        "sync_ms": _median(sync),
-        "hook_ms": _median(hook),
-        "fence_ms": _median(fence),
-        "visible_ms": _median(visible),
-        "layerwise_ms": _median(layer_ms),
-        "layerwise_fence_ms": _median(layer_fence),
-        "load_ms": _median(load_ms[False, True]),
-        "lw_load_ms": _median(load_ms[True, True]),
-        "load_nolease_ms": _median(load_ms[False, False]),
-        "lw_load_nolease_ms": _median(load_ms[True, False]),
+        "ceil_ms": median(ceil),
+        "sync_ms": median(sync),
+        "hook_ms": median(hook),
+        "fence_ms": median(fence),
+        "visible_ms": median(visible),
+        "layerwise_ms": median(layer_ms),
+        "layerwise_fence_ms": median(layer_fence),
+        "load_ms": median(load_ms[False, True]),
+        "lw_load_ms": median(load_ms[True, True]),
+        "load_nolease_ms": median(load_ms[False, False]),
+        "lw_load_nolease_ms": median(load_ms[True, False]),
         "exact": exact,
     }
 

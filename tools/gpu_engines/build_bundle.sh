@@ -4,6 +4,9 @@
 #   build_bundle.sh vllm|vllm-nofa|sglang OUT_DIR [SCRATCH]
 # OUT_DIR gets *.tar.xz files: each is a site-packages tree to unpack into one
 # folder that goes first on PYTHONPATH on the device (see tools/gpu_engines/README.md).
+#   build_bundle.sh nox OUT_DIR
+# OUT_DIR/nox-wheels gets nox and its pure-Python dependencies as Python 3.12 wheels
+# (~7 MiB); on the device: pip install --no-index --find-links OUT_DIR/nox-wheels nox
 # Needs: a python3 with pip (any version that has `pip download --platform`),
 # readelf, xz, unzip. Wheels come from PyPI with --no-deps.
 set -euo pipefail
@@ -36,6 +39,10 @@ unpack_deps() {  # unzip each listed wheel into one tree, then xz it
   tar -C "$SCR/stage/deps" -cf - . | xz -T0 -6 > "$OUT/deps.tar.xz"
 }
 case $ENGINE in
+nox)
+  PIP_CONSTRAINT= python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
+    --implementation py --abi none --platform any -d "$OUT/nox-wheels" "nox>=2024.3.2"
+  ls "$OUT/nox-wheels"; du -sh "$OUT/nox-wheels"; exit 0 ;;
 vllm|vllm-nofa)
   dl vllm==0.26.0 $VLLM_DEPS
   S=$SCR/stage/vllm; mkdir -p "$S"; unzip -q -o "$SCR"/whl/vllm-0.26.0-*.whl -d "$S"
@@ -62,6 +69,6 @@ sglang)
   mv "$SCR/co.so" "$S"/sgl_kernel/sm90/common_ops.abi3.so
   tar -C "$S" -cf - . | xz -T0 -6 > "$OUT/sglang-0.5.17-sm90.tar.xz"
   unpack_deps "$SGL_DEPS" ;;
-*) echo "usage: $0 vllm|vllm-nofa|sglang OUT_DIR [SCRATCH]"; exit 2 ;;
+*) echo "usage: $0 vllm|vllm-nofa|sglang|nox OUT_DIR [SCRATCH]"; exit 2 ;;
 esac
 ls -l "$OUT"; du -cb "$OUT"/*.tar.xz | tail -1 | awk '{printf "total %.2f MiB\n", $1/1048576}'
