@@ -213,6 +213,7 @@ class PreparedStore:
     idx: torch.Tensor
     check: Callable[[], None]
     uploaded: Any
+    kernel_index: Any = None  # the gather kernel's device index, when the store uses it
 
     def matches(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmcache import gpu_ops
 from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 from lmcache.gpu_connector.layer_range import transfer_stream
@@ -57,6 +58,11 @@ if TYPE_CHECKING:
     from lmcache.devices import DeviceBackend
 
 __all__ = ["FusedTransfer", "Prefetched"]
+
+
+def _no_check() -> None:
+    """The check of a kernel store's slots: done on the host when its index was built."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +108,8 @@ class FusedTransfer:
         """Run one store and one verified load of a single page, so that the first request
         finds streams, pinned index buffers, library symbols and kernels ready.
 
-        The store reads page 0. The load writes nothing: every slot is ``-1``.
+        The store reads page 0. The load writes the last token of page 0 back with the bytes
+        just read from it (the others are skipped), so no page changes.
         """
         n = self.block_size
         nbytes = self.num_layers * n * self.kv_width * self._caches[0].element_size()
@@ -112,10 +119,10 @@ class FusedTransfer:
         try:
             sums = self.from_cache(range(self.num_layers), [chunk], TransferSpec(slots))
             value = sums.values()[0] if sums is not None else None
-            unwritten = TransferSpec(torch.full((n,), -1, dtype=torch.int64))
+            same = TransferSpec(slots, skip_tokens=n - 1)
             stored = dataclasses.replace(chunk, checksum=value)
-            self.to_cache(range(self.num_layers), [stored], unwritten)
-            self._sync(unwritten)
+            self.to_cache(range(self.num_layers), [stored], same)
+            self._sync(same)
         except Exception as exc:  # an optimisation: a first request then pays for it instead
             logger.warning("lmcache: warm-up transfer failed (%s); continuing without it", exc)
 
@@ -423,6 +430,15 @@ class FusedTransfer:
         if not self.plans_ahead(transfer):
             return None
         layers = range(self.num_layers)
+        if self._sums is not None and self._kernel_store(transfer):
+            plan = self._plan(layers, chunks, 0, 0)
+            with self._stream_ctx(transfer):
+                index = self._sums.load_index(plan, chunks, transfer)
+                uploaded = self.backend.event_after(self.backend.current_stream(self.device))
+            return PreparedStore(
+                layers, chunks, transfer.slot_mapping, plan, index.slots, _no_check, uploaded,
+                kernel_index=index,
+            )  # fmt: skip
         plan = self._plan(layers, chunks, 0, self._store_pieces(transfer))
         with self._stream_ctx(transfer):
             idx, check = self._fused_indices(plan, transfer)
@@ -448,6 +464,8 @@ class FusedTransfer:
         sums: StoreChecksums | None = None
         summing = self._sums is not None and len(layers) == self.num_layers
         deferred = transfer.deferred and transfer.stream is not None and backend.has_streams
+        if summing and self._kernel_store(transfer):
+            return self._store_by_kernel(layers, chunks, transfer, deferred)
         try:
             prep = transfer.prepared
             if not isinstance(prep, PreparedStore):
@@ -492,6 +510,59 @@ class FusedTransfer:
             if not deferred:
                 self._sync(transfer)
             check()
+        except BaseException:
+            if deferred:  # the caller releases the buffers: no queued copy may still fill them
+                self._sync(transfer)
+            raise
+        return sums
+
+    kernel_gather: bool = True
+    """Store all layers through the ``gather_kv`` kernel when the extension is loaded: one
+    launch for every chunk and layer, each chunk's checksum computed in the same pass."""
+
+    def _kernel_store(self, transfer: TransferSpec) -> bool:
+        """Whether a store of all layers goes through :meth:`_store_by_kernel`: the kernel is
+        on and loaded, and the slot mapping is on the host (checked there, with no sync)."""
+        return (
+            self.kernel_gather
+            and transfer.slot_mapping.device.type == "cpu"
+            and gpu_ops.uses_cext(self.device)
+        )
+
+    def _store_by_kernel(
+        self,
+        layers: range,
+        chunks: Sequence[ChunkTransfer],
+        transfer: TransferSpec,
+        deferred: bool,
+    ) -> StoreChecksums:
+        """All layers of every chunk: one ``gather_kv`` launch into staging that also sums
+        each chunk, then the DMAs to the host (their plan prepared ahead when it was)."""
+        assert self._sums is not None
+        backend = self.backend
+        prep = transfer.prepared
+        index = None
+        if isinstance(prep, PreparedStore) and prep.matches(layers, chunks, transfer):
+            plan = prep.plan
+            index = prep.kernel_index
+        else:
+            prep = None
+            plan = self._plan(layers, chunks, 0, 0)
+        try:
+            with self._stream_ctx(transfer):
+                if index is None:
+                    index = self._sums.load_index(plan, chunks, transfer)
+                elif prep is not None:
+                    backend.wait_event(backend.current_stream(self.device), prep.uploaded)
+                staging = torch.empty(
+                    plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
+                )
+                sums = self._sums.gather_with_sums(index, staging)
+                if transfer.on_engine_read is not None:
+                    transfer.on_engine_read()
+                self._copy_runs(plan, staging, to_host=True)
+            if not deferred:
+                self._sync(transfer)
         except BaseException:
             if deferred:  # the caller releases the buffers: no queued copy may still fill them
                 self._sync(transfer)

@@ -86,6 +86,7 @@ class ChunkChecksums:
             self.paged = gpu_ops.PagedKV.from_vllm_mla(list(cache.caches))
         else:
             self.paged = gpu_ops.PagedKV.from_vllm(list(cache.caches), cache.head_size_k)
+        self.num_slots = self.paged.num_pages * self.paged.page_size
         # Load (or JIT-build) the extension now, at engine start, not on the first request.
         gpu_ops.uses_cext(self.device)
 
@@ -127,6 +128,7 @@ class ChunkChecksums:
         host_slots = (
             torch.cat(slot_parts).cpu() if slot_parts else torch.empty(0, dtype=torch.int64)
         )
+        self._check_slots(host_slots, skipped=skip > 0)
         chunk_of = torch.repeat_interleave(torch.arange(k, dtype=torch.int64), torch.tensor(counts))
         offsets = [0]
         for n in counts:
@@ -151,6 +153,32 @@ class ChunkChecksums:
             dev[a + 2 * total + k :].bool(),
             plan.row_bytes,
         )
+
+    def gather_with_sums(self, index: LoadIndex, staging: torch.Tensor) -> StoreChecksums:
+        """Gather every layer of the staged chunks into ``staging`` in one ``gather_kv``
+        launch, summing each chunk in the same pass; on the current stream."""
+        sums = torch.empty(len(index.positions), dtype=torch.int64, device=self.device)
+        gpu_ops.gather_kv(self.paged, index.slots, index.offsets, staging, checksums=sums)
+        return StoreChecksums(self._download(sums))
+
+    def _check_slots(self, slots: torch.Tensor, skipped: bool) -> None:
+        """Every moved token's slot is a slot of the cache (the kernels skip any other, which
+        would leave its bytes unmoved without a word).
+
+        Raises:
+            ValueError: naming the first bad slot, the valid range and the fix.
+        """
+        moved = slots[slots != -1] if skipped else slots
+        if moved.numel() == 0:
+            return
+        lo, hi = int(moved.min()), int(moved.max())
+        if lo < 0 or hi >= self.num_slots:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"slot_mapping: slot {bad} is outside the cache's slots [0, {self.num_slots}) "
+                f"({self.paged.num_pages} pages of {self.paged.page_size}); pass the slots vLLM "
+                "assigned to these tokens (block_id * block_size + offset)."
+            )
 
     def verified_scatter(self, index: LoadIndex, staging: torch.Tensor) -> LoadChecks:
         """Verify every staged chunk (all layers), then scatter the ones that matched; all on

@@ -63,7 +63,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["lbnhc", "lbhnc", "uneven", "mla"])
 @pytest.mark.parametrize("skip", [0, 3, 9])
-def test_store_sums_and_verified_load(kind: str, device: str, skip: int) -> None:
+@pytest.mark.parametrize("store", ["kernel", "torch"])
+def test_store_sums_and_verified_load(kind, device, skip, store, monkeypatch) -> None:
+    """Stores through the gather kernel (one launch, sums in the same pass; on the CPU its
+    reference) or the strided torch gather plus a sum pass give the same bytes and sums."""
+    monkeypatch.setattr(FusedTransfer, "kernel_gather", store == "kernel")
+    if store == "kernel" and device == "cpu":
+        monkeypatch.setattr(FusedTransfer, "_kernel_store", lambda self, transfer: True)
     md, src = _checked_conn(kind, device, 1)
     n = RANGES[-1][1]
     slots = _slots(n, 2, "cpu")
@@ -175,3 +181,23 @@ def test_verify_chunks_before_a_load(device: str, scratch: int, damage: str) -> 
         pre = src.prefetch(chunks[:3], stream)
         assert pre is not None
         assert fused.verify_chunks(chunks[:3], stream, pre) == [True, False, True]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_slot_outside_the_cache_is_refused(device: str, monkeypatch) -> None:
+    """The kernels skip slots outside the cache; the index is checked on the host first."""
+    if device == "cpu":
+        monkeypatch.setattr(FusedTransfer, "_kernel_store", lambda self, transfer: True)
+    _, conn = _checked_conn("lbnhc", device, 15)
+    chunks = chunk_buffers(conn, [(0, 8)], "scattered")
+    slots = _slots(8, 16, "cpu")
+    slots[5] = NUM_BLOCKS * BLOCK  # one past the last slot
+    with pytest.raises(ValueError, match="outside the cache's slots"):
+        conn.from_gpu(chunks, TransferSpec(slots))
+    good = _slots(8, 16, "cpu")
+    sums = conn.from_gpu(chunks, TransferSpec(good))
+    conn.synchronize()
+    assert sums is not None
+    stored = [dataclasses.replace(chunks[0], checksum=sums.values()[0])]
+    with pytest.raises(ValueError, match="outside the cache's slots"):
+        conn.to_gpu(stored, TransferSpec(slots))
