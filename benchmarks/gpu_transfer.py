@@ -58,7 +58,7 @@ DTYPE = torch.bfloat16
 class Request:
     tokens: torch.Tensor  # [n] token ids (CPU)
     pages: torch.Tensor  # [pages] page ids on the device
-    slots: torch.Tensor  # [n] slot of every token on the device
+    slots: torch.Tensor  # [n] slot of every token (host)
     nbytes: int
 
 
@@ -81,7 +81,8 @@ class Cache:
         pages, self._free = self._free[:count], self._free[count:]
         page_t = torch.tensor(pages, device=self.device)
         slots = (page_t[:, None] * PAGE + torch.arange(PAGE, device=self.device)).reshape(-1)[:n]
-        return Request(tokens(n, seed), page_t, slots, n * self.token_bytes)
+        # on the host, as vLLM's adapter builds them: the kernels' index is checked there
+        return Request(tokens(n, seed), page_t, slots.cpu(), n * self.token_bytes)
 
     @property
     def token_bytes(self) -> int:
