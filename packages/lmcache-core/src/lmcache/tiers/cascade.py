@@ -136,9 +136,7 @@ def stored_prefix(stack: TierStack, keys: Sequence[bytes]) -> int:
     tier in one batched query; a key counts when any tier holds it. Nothing is verified or
     leased (see :func:`hit_run`).
     """
-    found = 0
-    while found < len(keys) and cpu_contains(stack, keys[found]):
-        found += 1
+    found = _cpu_prefix(stack, keys)
     if found == len(keys) or not stack.lower:
         return found
     rest = keys[found:]
@@ -147,6 +145,31 @@ def stored_prefix(stack: TierStack, keys: Sequence[bytes]) -> int:
         if not (any(p[i] for p in below) or (i and cpu_contains(stack, key))):
             return found + i
     return len(keys)
+
+
+def _cpu_prefix(stack: TierStack, keys: Sequence[bytes]) -> int:
+    """How many leading ``keys`` the CPU tier holds, asked in runs of 1, 2, 4, ... keys (one
+    lock each, not one per key). A lazy key chain is hashed a run at a time: at most about
+    twice as far as the prefix goes, and a bad token id there is read only if the answer
+    needs it (the run is then asked key by key)."""
+    found, run, total = 0, 1, len(keys)
+    while found < total:
+        try:
+            batch = keys[found : found + run]
+        except (TypeError, ValueError):  # a bad token id in the run: raise only if it counts
+            while found < total and cpu_contains(stack, keys[found]):
+                found += 1
+            return found
+        try:
+            missing = stack.cpu.missing(batch)
+        except Exception as exc:
+            _cpu_error(stack, "look up a chunk", exc)
+            return found
+        if missing:
+            return found + missing[0]
+        found += len(batch)
+        run *= 2
+    return found
 
 
 # ------------------------------------------------------------------------------ hits
