@@ -279,17 +279,18 @@ class KeyChain(Sequence[bytes]):
         """Pack the tokens of a list or tuple from chunk ``first`` on: at least through chunk
         ``count - 1``, and as many chunks as are packed already (runs double), so a chain read
         in small steps packs O(log n) times."""
-        cs = self._cs
+        cs, tokens = self._cs, self._tokens
         end = min(self._num_chunks, max(count, 2 * first + 1))
         try:
-            packed = _pack(self._tokens[first * cs : end * cs], first * cs)
+            whole = first == 0 and end == self._num_chunks  # no slice: it would copy the list
+            packed = _pack(tokens if whole else tokens[first * cs : end * cs], first * cs)
         except (TypeError, ValueError):
             if end == count:
                 raise
             # a bad token beyond what is read now: pack only what is read (an error there is
             # the caller's; beyond it, the tokens are checked once their chunks are read)
             end = count
-            packed = _pack(self._tokens[first * cs : end * cs], first * cs)
+            packed = _pack(tokens[first * cs : end * cs], first * cs)
         self._run = memoryview(packed).cast("B")
         self._run_start, self._run_end = first, end
 
