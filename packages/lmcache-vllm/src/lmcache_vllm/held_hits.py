@@ -27,11 +27,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from lmcache.held_hit import HeldHit
 
@@ -45,14 +48,29 @@ class LookedUp:
     """What a held hit's keys were computed for: the lookup's token ids, salt and extra keys.
 
     Attributes:
-        tokens: The lookup's token ids (the request's prompt).
+        tokens: The lookup's token ids (the request's prompt), a snapshot (see :meth:`of`).
         salt: The request's key salt.
         extra_keys: Chunk index -> extra key material of the lookup.
     """
 
-    tokens: Sequence[int]
+    tokens: Sequence[int] | npt.NDArray[Any]
     salt: str
     extra_keys: Mapping[int, bytes] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        tokens: Sequence[int] | npt.NDArray[Any],
+        salt: str,
+        extra_keys: Mapping[int, bytes] | None,
+    ) -> LookedUp:
+        """What a lookup of ``tokens`` made its keys for, with a snapshot of the tokens: a
+        read-only array (a decoded query's) as it is, anything else copied to a list (a
+        pointer copy; the int objects are shared, so comparing with the prompt they came from
+        stays a pointer comparison)."""
+        if not (isinstance(tokens, np.ndarray) and not tokens.flags.writeable):
+            tokens = list(tokens) if not isinstance(tokens, np.ndarray) else tokens.copy()
+        return cls(tokens, salt, dict(extra_keys or {}))
 
     def keys_for(
         self,
@@ -86,7 +104,9 @@ class LookedUp:
         return hit.keys[:count]
 
 
-def _same_leading(a: Sequence[int], b: Sequence[int], m: int) -> bool:
+def _same_leading(
+    a: Sequence[int] | npt.NDArray[Any], b: Sequence[int] | npt.NDArray[Any], m: int
+) -> bool:
     """Whether the first ``m`` token ids of ``a`` and ``b`` are equal (both hold ``m``)."""
     if len(a) < m or len(b) < m:
         return False
@@ -96,7 +116,19 @@ def _same_leading(a: Sequence[int], b: Sequence[int], m: int) -> bool:
     y = b if len(b) == m else b[:m]
     if isinstance(x, list) and isinstance(y, list):
         return x == y  # C loop; equal int objects (one prompt list's) compare by identity
-    return bool(np.array_equal(np.asarray(x, dtype=np.int64), np.asarray(y, dtype=np.int64)))
+    try:
+        return bool(np.array_equal(_int64(x), _int64(y)))
+    except (OverflowError, TypeError, ValueError):
+        return False  # not all ints (or beyond int64): not the ids any key was made from
+
+
+def _int64(tokens: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.int64]:
+    """Token ids as int64 values (a list by one C loop, not numpy's per-object conversion)."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype.kind not in "iu" or (tokens.dtype.kind == "u" and tokens.itemsize > 4):
+            raise TypeError(f"token ids of dtype {tokens.dtype}")
+        return tokens.astype(np.int64, copy=False)
+    return np.frombuffer(array("q", tokens), dtype=np.int64)
 
 
 @dataclass

@@ -228,8 +228,8 @@ class WorkerSide:
             hit.release()  # a save of the missing chunks was queued: look again
             hit = engine.lookup_and_lease(query.tokens, salt=query.salt, extra_keys=extra)
         self._prefetch(engine, hit)
-        # what the hit's keys were made for (a copy: the load compares, then reuses them)
-        looked = LookedUp(list(query.tokens), query.salt, extra or {}) if hit.num_tokens else None
+        # what the hit's keys were made for (a snapshot: the load compares, then reuses them)
+        looked = LookedUp.of(query.tokens, query.salt, extra) if hit.num_tokens else None
         self._held.put(query.req_id, hit, len(query.tokens), query.salt, looked)
         return hit.num_tokens
 

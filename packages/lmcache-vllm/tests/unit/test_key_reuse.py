@@ -9,20 +9,34 @@ for bit with the pages saved for the load's own tokens.
 
 from __future__ import annotations
 
+import socket
+
+import numpy as np
 import pytest
 import torch
 
 import lmcache.keys
+import lmcache_vllm.lookup
 from lmcache.held_hit import HeldHit
 from lmcache.keys import chunk_keys
 from lmcache_vllm.connector_metadata import LoadSpec, ReqMeta
 from lmcache_vllm.held_hits import LookedUp
+from lmcache_vllm.lookup_wire import LookupQuery, decode_request, encode_lookup
 
 from .test_lease_on_lookup import BLOCK, PROMPT, Rig, _prompt, _request
 
 
+@pytest.fixture(params=["in-process", "socket"])
+def via(request, monkeypatch):
+    """How the scheduler reaches the worker's lookup server: a direct call (one process, the
+    prompt list itself) or its socket (vLLM's multiprocess ranks: the tokens are decoded)."""
+    if request.param == "socket":
+        monkeypatch.setattr(lmcache_vllm.lookup, "_local_server", lambda path: None)
+    return request.param
+
+
 @pytest.fixture(params=[False, True], ids=["batched", "layerwise"])
-def rig(tmp_path, request):
+def rig(tmp_path, request, via):
     r = Rig(tmp_path, budget_chunks=8, use_layerwise=request.param)
     yield r
     r.close()
@@ -68,10 +82,13 @@ def _load(rig: Rig, rid: str, tokens: list[int], **req: object) -> tuple[list[in
     return dst, rig.pages(dst)[:, : promised // BLOCK]
 
 
-def test_the_load_reuses_the_lookups_keys(rig, monkeypatch):
+def test_the_load_reuses_the_lookups_keys(rig, monkeypatch, via):
     tokens = _prompt(1)
     saved = rig.pages(rig.store("writer", tokens)).clone()
     assert rig.scheduler.get_num_new_matched_tokens(_request("r", tokens), 0) == PROMPT - BLOCK
+    looked = rig.worker._held._held["r"].looked_up
+    assert looked is not None and list(looked.tokens) == tokens
+    assert isinstance(looked.tokens, np.ndarray if via == "socket" else list)
     spy = Spy(rig, monkeypatch)
     _, loaded = _load(rig, "r", list(tokens))  # equal tokens, another list (as when pickled)
     hashed = spy.hashes
@@ -117,8 +134,33 @@ class _FakeHit(HeldHit):
         self.keys = keys
 
 
+def _decoded(tokens: list[int]) -> np.ndarray:
+    """``tokens`` as a lookup server gets them: through the wire format."""
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(encode_lookup(LookupQuery("r", tokens)))
+        query = decode_request(b)
+    assert query is not None
+    return query.tokens  # type: ignore[return-value]
+
+
+def test_the_wire_carries_token_ids_as_a_read_only_uint32_array() -> None:
+    tokens = [0, 1, 2**32 - 1, 70_000]
+    got = _decoded(tokens)
+    assert got.dtype == np.dtype("<u4") and not got.flags.writeable
+    assert got.tolist() == tokens
+    assert _decoded([]).tolist() == []
+    assert _decoded(np.array(tokens, dtype=np.int64)).tolist() == tokens  # type: ignore[arg-type]
+    # the keys of the decoded array are the list's
+    assert chunk_keys(got, b"fp", 2) == chunk_keys(tokens, b"fp", 2)
+    for bad in ([1, -1], [2**32], np.array([1, -1]), np.array([1.5])):
+        with pytest.raises(ValueError, match=r"lookup tokens: token [01] is"):
+            encode_lookup(LookupQuery("r", bad))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["list", "decoded"])
 @pytest.mark.parametrize("cs", [4, 5])
-def test_keys_for_reuses_exactly_the_matching_leading_chunks(cs: int) -> None:
+def test_keys_for_reuses_exactly_the_matching_leading_chunks(cs: int, kind: str) -> None:
     """Against a recompute: the keys offered for a load are always a prefix of the load's own
     chunk keys, for shorter loads, partial last chunks, other tokens, salts and extras."""
     prompt = list(range(100, 123))  # 23 tokens
@@ -127,7 +169,7 @@ def test_keys_for_reuses_exactly_the_matching_leading_chunks(cs: int) -> None:
     for hit_chunks in range(len(full) + 1):
         hit_tokens = min(hit_chunks * cs, len(prompt))
         hit = _hit(full[:hit_chunks], hit_tokens)
-        looked = LookedUp(prompt, "s", extras)
+        looked = LookedUp.of(prompt if kind == "list" else _decoded(prompt), "s", extras)
         for n in range(1, len(prompt) + 1):
             for load, salt, extra in [
                 (prompt[:n], "s", extras),
