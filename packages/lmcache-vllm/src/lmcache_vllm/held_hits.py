@@ -86,9 +86,23 @@ class LookedUp:
         A key is reused only when its chunk covers the same token range in both requests, and
         the salt, the extra keys of those chunks and every token through the last reused chunk
         are equal; otherwise the load hashes its tokens again (a wrong key would load another
-        prompt's KV).
+        prompt's KV). Never raises: anything unexpected means no reuse.
         """
-        if salt != self.salt or not hit.keys or not tokens:
+        try:
+            return self._keys_for(hit, tokens, salt, extra_keys, chunk_size)
+        except Exception:  # e.g. a malformed request: the load hashes (and checks) it itself
+            logger.debug("lmcache: not reusing a lookup's keys", exc_info=True)
+            return []
+
+    def _keys_for(
+        self,
+        hit: HeldHit,
+        tokens: Sequence[int],
+        salt: str,
+        extra_keys: Mapping[int, bytes] | None,
+        chunk_size: int,
+    ) -> list[bytes]:
+        if salt != self.salt or not hit.keys or len(tokens) == 0:
             return []
         n = len(tokens)
         count = min(len(hit.keys), -(-n // chunk_size))
@@ -97,8 +111,8 @@ class LookedUp:
             count -= 1
         if count <= 0:
             return []
-        mine = {i: bytes(e) for i, e in self.extra_keys.items() if i < count}
-        theirs = {i: bytes(e) for i, e in (extra_keys or {}).items() if i < count}
+        mine = {i: e for i, e in self.extra_keys.items() if i < count}
+        theirs = {i: e for i, e in (extra_keys or {}).items() if i < count}
         if mine != theirs or not _same_leading(self.tokens, tokens, min(count * chunk_size, n)):
             return []
         return hit.keys[:count]
