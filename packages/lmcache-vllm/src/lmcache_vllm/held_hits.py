@@ -20,6 +20,14 @@ only for leading chunks whose tokens, salt and extra keys it finds equal
 (:meth:`LookedUp.keys_for`); anything else is hashed again. The keys never leave the worker
 process that computed them (they depend on its rank's fingerprint): nothing is added to the
 metadata the scheduler sends.
+
+Comparing token ids costs about as much as hashing them unless the two lists share their int
+objects, so the keys are reused only then: when the scheduler and the worker share a process
+(vLLM's single-worker engine core, also in its default multiprocess mode), the lookup's and the
+load's tokens are both slices of the request's prompt list, and the comparison is a pointer
+walk (about a third of hashing again, measured: ``benchmarks/lookup.py`` times the hashing).
+When the metadata was pickled to the worker (several ranks) or the lookup came over a socket,
+the load hashes its tokens again: the cheaper, equally safe way.
 """
 
 from __future__ import annotations
@@ -113,9 +121,24 @@ class LookedUp:
             return []
         mine = {i: e for i, e in self.extra_keys.items() if i < count}
         theirs = {i: e for i, e in (extra_keys or {}).items() if i < count}
-        if mine != theirs or not _same_leading(self.tokens, tokens, min(count * chunk_size, n)):
+        m = min(count * chunk_size, n)
+        if mine != theirs or not _cheap_to_compare(self.tokens, tokens, m):
             return []
-        return hit.keys[:count]
+        return hit.keys[:count] if _same_leading(self.tokens, tokens, m) else []
+
+
+def _cheap_to_compare(
+    a: Sequence[int] | npt.NDArray[Any], b: Sequence[int] | npt.NDArray[Any], m: int
+) -> bool:
+    """Whether comparing the first ``m`` ids of ``a`` and ``b`` costs clearly less than hashing
+    them: two arrays, or two lists whose sampled ids are the same int objects (slices of one
+    prompt list). A list against an array, or lists of separately made ints (unpickled), cost
+    about what hashing costs: the caller hashes instead."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return True
+    if not (isinstance(a, list) and isinstance(b, list)) or len(a) < m or len(b) < m:
+        return False
+    return all(a[i] is b[i] for i in {0, m // 3, m // 2, 2 * m // 3, m - 1} if i < m)
 
 
 def _same_leading(

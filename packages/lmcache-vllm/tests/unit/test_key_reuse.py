@@ -9,6 +9,7 @@ for bit with the pages saved for the load's own tokens.
 
 from __future__ import annotations
 
+import pickle
 import socket
 
 import numpy as np
@@ -90,10 +91,19 @@ def test_the_load_reuses_the_lookups_keys(rig, monkeypatch, via):
     assert looked is not None and list(looked.tokens) == tokens
     assert isinstance(looked.tokens, np.ndarray if via == "socket" else list)
     spy = Spy(rig, monkeypatch)
-    _, loaded = _load(rig, "r", list(tokens))  # equal tokens, another list (as when pickled)
+    _, loaded = _load(rig, "r", tokens[:PROMPT])  # a slice of the prompt, as vLLM's
     hashed = spy.hashes
-    assert hashed == 0  # nothing hashed again
-    assert spy.known == [_keys(rig, tokens)]  # every chunk's key, exactly the recomputed ones
+    if via == "in-process":  # the load's ids are the lookup's int objects: compared, reused
+        assert hashed == 0  # nothing hashed again
+        assert spy.known == [_keys(rig, tokens)]  # every key, exactly the recomputed ones
+    else:  # comparing a decoded array with the metadata's list costs what hashing costs
+        assert hashed == len(_keys(rig, tokens)) + 1 and spy.known == [[]]
+    assert torch.equal(loaded.view(torch.int32), saved[:, : loaded.shape[1]].view(torch.int32))
+
+    # the metadata pickled to another process: equal ids, other int objects: hashed again
+    assert rig.scheduler.get_num_new_matched_tokens(_request("p", tokens), 0) == PROMPT - BLOCK
+    _, loaded = _load(rig, "p", pickle.loads(pickle.dumps(tokens)))
+    assert spy.known[-1] == [] and spy.hashes == len(_keys(rig, tokens)) + 1
     assert torch.equal(loaded.view(torch.int32), saved[:, : loaded.shape[1]].view(torch.int32))
 
 
@@ -158,18 +168,25 @@ def test_the_wire_carries_token_ids_as_a_read_only_uint32_array() -> None:
             encode_lookup(LookupQuery("r", bad))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kind", ["list", "decoded"])
+@pytest.mark.parametrize("kind", ["list", "pickled", "decoded"])
 @pytest.mark.parametrize("cs", [4, 5])
 def test_keys_for_reuses_exactly_the_matching_leading_chunks(cs: int, kind: str) -> None:
     """Against a recompute: the keys offered for a load are always a prefix of the load's own
-    chunk keys, for shorter loads, partial last chunks, other tokens, salts and extras."""
-    prompt = list(range(100, 123))  # 23 tokens
+    chunk keys, for shorter loads, partial last chunks, other tokens, salts and extras; all
+    that match are offered when the lookup's ids are the load's int objects (``list``), none
+    when comparing would cost what hashing costs (``pickled``, ``decoded``)."""
+    prompt = list(range(100_000, 100_023))  # 23 tokens, none a cached small int
     extras = {1: b"img"}
     full = chunk_keys(prompt, b"fp", cs, salt="s", extra_keys=extras)
+    source = {
+        "list": prompt,
+        "pickled": pickle.loads(pickle.dumps(prompt)),
+        "decoded": _decoded(prompt),
+    }[kind]
     for hit_chunks in range(len(full) + 1):
         hit_tokens = min(hit_chunks * cs, len(prompt))
         hit = _hit(full[:hit_chunks], hit_tokens)
-        looked = LookedUp.of(prompt if kind == "list" else _decoded(prompt), "s", extras)
+        looked = LookedUp.of(source, "s", extras)
         for n in range(1, len(prompt) + 1):
             for load, salt, extra in [
                 (prompt[:n], "s", extras),
@@ -192,4 +209,17 @@ def test_keys_for_reuses_exactly_the_matching_leading_chunks(cs: int, kind: str)
                     reusable = min(hit_chunks, -(-n // cs))
                     if reusable and min(reusable * cs, n) != min(reusable * cs, len(prompt)):
                         reusable -= 1
-                    assert len(got) == reusable
+                    assert len(got) == (reusable if kind == "list" else 0)
+
+
+def test_keys_for_compares_every_token_not_just_the_sampled_ones() -> None:
+    """The load's ids are the lookup's int objects but one, at any position: never reused."""
+    prompt = list(range(100_000, 100_064))
+    keys = chunk_keys(prompt, b"fp", 8)
+    hit = _hit(keys, len(prompt))
+    looked = LookedUp.of(prompt, "", {})
+    assert looked.keys_for(hit, prompt[:40], "", None, 8) == keys[:5]
+    for j in range(40):
+        load = prompt[:40]
+        load[j] = load[j] + 1
+        assert looked.keys_for(hit, load, "", None, 8) == [], j
