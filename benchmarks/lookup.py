@@ -3,7 +3,8 @@
 
 Builds a real :class:`~lmcache.cache_engine.LMCacheEngine` with its CPU tier (no GPU: the paged
 CPU test connector of :mod:`lmcache.testing` stores the prompt once), then times ``repeats``
-lookups of the whole prompt after a warm-up, and the chunk-key hashing alone
+lookups of the whole prompt after a warm-up, ``lookup_and_lease`` (what a vLLM worker runs: it
+also verifies and leases each chunk; tiny chunks here) and the chunk-key hashing alone
 (:func:`lmcache.keys.chunk_keys`). The token ids are given as a numpy ``int64`` array (as a
 worker holds them), a torch ``int64`` tensor and a Python list (what vLLM's scheduler has: a
 list must be converted once, and that conversion alone, ``array('I', ids)``, is timed too as
@@ -83,7 +84,8 @@ def measure_lookup(num_tokens: int = 32768, repeats: int = 200) -> dict[str, Any
 
     Returns:
         ``{"num_tokens", "repeats", "target_p99_ms", "lookup": {input: {"p50_ms", "p99_ms"}},
-        "hashing": {input: {...}}, "list_conversion": {...}, "met": bool}`` with inputs
+        "lookup_and_lease": {input: {...}}, "hashing": {input: {...}}, "list_conversion":
+        {...}, "met": bool}`` with inputs
         ``"numpy"``, ``"torch"`` and ``"list"``; ``met`` is whether the numpy lookup's p99 is
         below the target.
 
@@ -110,6 +112,10 @@ def measure_lookup(num_tokens: int = 32768, repeats: int = 200) -> dict[str, Any
             name: _time(lambda t=tokens: engine.lookup(t), repeats)
             for name, tokens in inputs.items()
         }
+        leased = {
+            name: _time(lambda t=tokens: engine.lookup_and_lease(t).release(), repeats)
+            for name, tokens in inputs.items()
+        }
         hashing = {
             name: _time(lambda t=tokens: chunk_keys(t, fingerprint, CHUNK_SIZE, salt=salt), repeats)
             for name, tokens in inputs.items()
@@ -122,6 +128,7 @@ def measure_lookup(num_tokens: int = 32768, repeats: int = 200) -> dict[str, Any
         "repeats": repeats,
         "target_p99_ms": TARGET_P99_MS,
         "lookup": lookup,
+        "lookup_and_lease": leased,
         "hashing": hashing,
         "list_conversion": conversion,
         "met": lookup["numpy"]["p99_ms"] < TARGET_P99_MS,
@@ -152,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     target = TARGET_P99_MS if args.tokens == 32768 else None
     for name in ("numpy", "torch", "list"):
         print(_line(f"lookup ({name} ids)", fig["lookup"][name], target))
+    for name in ("numpy", "list"):
+        print(_line(f"lookup_and_lease ({name} ids)", fig["lookup_and_lease"][name], None))
     for name in ("numpy", "torch", "list"):
         print(_line(f"hashing alone ({name} ids)", fig["hashing"][name], None))
     print(_line("list -> uint32 (floor)", fig["list_conversion"], None))
