@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmcache.keys import present_prefix
 from lmcache.tiers.chunk_format import fingerprint_digest
 from lmcache.tiers.cpu_tier import CPUTier
 from lmcache.tiers.lower_tier import LowerTier, ReadRequest
@@ -123,6 +124,15 @@ def cpu_contains(stack: TierStack, key: bytes) -> bool:
         return False
 
 
+def _cpu_missing(stack: TierStack, keys: Sequence[bytes], action: str) -> list[int]:
+    """:meth:`CPUTier.missing` (one lock); a tier error makes every key missing, counted."""
+    try:
+        return stack.cpu.missing(keys)
+    except Exception as exc:
+        _cpu_error(stack, action, exc)
+        return list(range(len(keys)))
+
+
 def lower_presence(stack: TierStack, keys: Sequence[bytes]) -> list[list[bool]]:
     """For each lower tier (in order), whether it holds each of ``keys``: one batched
     :meth:`~lmcache.tiers.LowerTier.contains` per tier (a failing tier answers all ``False``)."""
@@ -132,11 +142,11 @@ def lower_presence(stack: TierStack, keys: Sequence[bytes]) -> list[list[bool]]:
 def stored_prefix(stack: TierStack, keys: Sequence[bytes]) -> int:
     """How many leading ``keys`` some tier holds: CPU first, then the lower tiers.
 
-    The CPU tier is asked key by key up to its first miss; the remaining keys go to each lower
-    tier in one batched query; a key counts when any tier holds it. Nothing is verified or
-    leased (see :func:`hit_run`).
+    The CPU tier is asked in runs of keys up to its first miss (:func:`~lmcache.keys.
+    present_prefix`); the remaining keys go to each lower tier in one batched query; a key
+    counts when any tier holds it. Nothing is verified or leased (see :func:`hit_run`).
     """
-    found = _cpu_prefix(stack, keys)
+    found = present_prefix(keys, lambda run: _cpu_missing(stack, run, "look up a chunk"))
     if found == len(keys) or not stack.lower:
         return found
     rest = keys[found:]
@@ -145,31 +155,6 @@ def stored_prefix(stack: TierStack, keys: Sequence[bytes]) -> int:
         if not (any(p[i] for p in below) or (i and cpu_contains(stack, key))):
             return found + i
     return len(keys)
-
-
-def _cpu_prefix(stack: TierStack, keys: Sequence[bytes]) -> int:
-    """How many leading ``keys`` the CPU tier holds, asked in runs of 1, 2, 4, ... keys (one
-    lock each, not one per key). A lazy key chain is hashed a run at a time: at most about
-    twice as far as the prefix goes, and a bad token id there is read only if the answer
-    needs it (the run is then asked key by key)."""
-    found, run, total = 0, 1, len(keys)
-    while found < total:
-        try:
-            batch = keys[found : found + run]
-        except (TypeError, ValueError):  # a bad token id in the run: raise only if it counts
-            while found < total and cpu_contains(stack, keys[found]):
-                found += 1
-            return found
-        try:
-            missing = stack.cpu.missing(batch)
-        except Exception as exc:
-            _cpu_error(stack, "look up a chunk", exc)
-            return found
-        if missing:
-            return found + missing[0]
-        found += len(batch)
-        run *= 2
-    return found
 
 
 # ------------------------------------------------------------------------------ hits
@@ -359,11 +344,7 @@ def keys_to_store(stack: TierStack, keys: Sequence[bytes]) -> list[int]:
     if not stack.stores_anything:
         return []
     if stack.local_cpu:
-        try:
-            return stack.cpu.missing(keys)
-        except Exception as exc:
-            _cpu_error(stack, "look up chunks", exc)
-            return list(range(len(keys)))
+        return _cpu_missing(stack, keys, "look up chunks")
     below = lower_presence(stack, keys)
     return [i for i in range(len(keys)) if not all(p[i] for p in below)]
 
