@@ -308,6 +308,7 @@ def demo(session: nox.Session) -> None:
 BENCHMARKS = {
     "tiers": "benchmarks/tiers.py",
     "hit_rate": "benchmarks/hit_rate.py",
+    "lookup": "benchmarks/lookup.py",
     "ttft": "benchmarks/vllm_ttft.py",
 }
 
@@ -318,7 +319,8 @@ def bench(session: nox.Session) -> None:
 
     ``tiers``: the disk/Redis tiers' GB/s next to raw file I/O and raw redis-py. ``hit_rate``:
     tokens hit by lmcache's eviction order against plain per-chunk LRU and an unbounded cache on
-    a synthetic multi-turn trace (exits non-zero if lmcache falls below LRU). ``ttft``: TTFT and
+    a synthetic multi-turn trace (exits non-zero if lmcache falls below LRU). ``lookup``: p50/p99
+    of a lookup of a cached 32k-token prompt and of hashing it. ``ttft``: TTFT and
     throughput on real vLLM CPU. ``nox -s bench -- NAME [args]`` runs one of them.
     """
     _install_vllm(session, ENGINE_VERSIONS["vllm"][0])

@@ -258,9 +258,10 @@ class LMCacheEngine:
         extra_keys: ExtraKeys | None = None,
         *,
         lazy: bool = False,
+        known_keys: Sequence[bytes] = (),
     ) -> RequestPlan:
         """Validate a request and compute its chunk keys (``lazy``: as far as they are read,
-        for lookups)."""
+        for lookups; ``known_keys``: the leading ones, computed before)."""
         return plan_request(
             tokens,
             mask,
@@ -270,6 +271,7 @@ class LMCacheEngine:
             salt=self.config.cache_salt + "\0" + salt,
             extra_keys=extra_keys,
             lazy=lazy,
+            known_keys=known_keys,
         )
 
     def _chunk_shape(self, num_tokens: int) -> tuple[int, int, int]:
@@ -707,6 +709,7 @@ class LMCacheEngine:
         salt: str = "",
         extra_keys: ExtraKeys | None = None,
         held: HeldHit | None = None,
+        known_keys: Sequence[bytes] = (),
     ) -> torch.Tensor:
         """Load the longest stored prefix of ``tokens`` into the engine (one ``to_gpu`` call).
 
@@ -725,6 +728,10 @@ class LMCacheEngine:
                 from its leases without verifying their checksums again (even if the tier dropped
                 or replaced them meanwhile); other chunks come from the tier, verified. Not
                 released here: the caller releases it.
+            known_keys: The keys of the leading chunks of exactly these tokens, salt and extra
+                keys, computed before (e.g. ``held.keys``, once the caller has checked that
+                ``held`` was looked up with these tokens, salt and extra keys): they are not
+                hashed again, and not checked (other keys load other tokens' KV).
 
         Returns:
             bool ``[num_tokens]`` on the CPU, ``True`` exactly for the tokens of loaded chunks.
@@ -737,7 +744,7 @@ class LMCacheEngine:
         connector = self._connector("retrieve")
         self._check_held(held, "retrieve")
         started = time.perf_counter()
-        plan = self._plan(tokens, mask, transfer, salt, extra_keys)
+        plan = self._plan(tokens, mask, transfer, salt, extra_keys, known_keys=known_keys)
         pending = self._acquire_hits(plan, held)
         if not pending:
             return self._hit_mask(plan, pending)
@@ -787,12 +794,14 @@ class LMCacheEngine:
         salt: str = "",
         extra_keys: ExtraKeys | None = None,
         held: HeldHit | None = None,
+        known_keys: Sequence[bytes] = (),
     ) -> LayerwiseRetrieve:
         """Like :meth:`retrieve`, one layer at a time; see :class:`LayerwiseRetrieve`.
 
         The hit chunks are found and leased now (``num_hit_tokens`` is known at once); chunks
         in ``held`` use a share of its leases, unverified, as in :meth:`retrieve`. ``held`` may
         be released once this returns (the retrieve keeps its own shares until it finishes).
+        ``known_keys`` as for :meth:`retrieve`.
 
         Raises:
             TypeError: the connector does not implement ``SupportsLayerwise``.
@@ -801,7 +810,7 @@ class LMCacheEngine:
         connector = self._layerwise_connector("retrieve_layerwise")
         self._check_held(held, "retrieve_layerwise")
         started = time.perf_counter()
-        plan = self._plan(tokens, mask, transfer, salt, extra_keys)
+        plan = self._plan(tokens, mask, transfer, salt, extra_keys, known_keys=known_keys)
         pending = self._acquire_hits(plan, held)
         return LayerwiseRetrieve(
             self, connector, pending, transfer, self._hit_mask(plan, pending), started

@@ -21,9 +21,16 @@ token before it, so equal keys mean equal prefixes; the seed makes it depend on 
 do not depend on ``PYTHONHASHSEED``, the process or the host. The test vectors in
 ``tests/unit/test_keys.py`` pin the format; changing it needs a new format tag.
 
+Token ids are packed once into one little-endian uint32 buffer, and each chunk's key hashes a
+slice of that buffer (no per-token Python work besides the packing):
+
+- a numpy array or a torch tensor is checked and packed at once, vectorized (dtype, shape and
+  range in one pass; an ``int32`` or ``uint32`` array costs a copy at most);
+- a list or tuple is packed by :class:`array.array` in growing runs of chunks as the chain
+  reaches them, so a lookup that misses its first chunk reads one chunk, not the whole prompt.
+
 :func:`chunk_keys` computes every key of a request at once (a store needs them all);
-:class:`KeyChain` computes them on first use, in chain order, so a lookup that misses its first
-chunk hashes (and reads the token ids of) one chunk, not the whole prompt.
+:class:`KeyChain` computes them on first use, in chain order.
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ from __future__ import annotations
 import operator
 import sys
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
-from typing import overload
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeAlias, overload
 
+import numpy as np
+import numpy.typing as npt
 import torch
 import xxhash
 
@@ -43,9 +52,11 @@ __all__ = [
     "KEY_FORMAT",
     "KEY_NBYTES",
     "KeyChain",
+    "TokenIds",
     "chunk_keys",
     "chunk_ranges",
     "key_hex",
+    "present_prefix",
 ]
 
 KEY_FORMAT = b"lmcache-chunk-key-v1\0"
@@ -60,8 +71,13 @@ EXTRA_TAG = b"lmcache-chunk-extra-v1\0"
 EXTRA_MAX_NBYTES = 64
 """Most bytes of extra key material per chunk (e.g. one or two 32-byte multimodal hashes)."""
 
+TokenIds: TypeAlias = Sequence[int] | torch.Tensor | npt.NDArray[Any]
+"""Token ids of one request: a sequence of ints (list, tuple), or a 1-D integer numpy array or
+torch tensor ``[num_tokens]``."""
+
 _UINT32_CODE = next(code for code in ("I", "L") if array(code).itemsize == 4)
 _TOKEN_LIMIT = 2**32
+_LE_UINT32 = np.dtype("<u4")
 
 
 def chunk_ranges(num_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -89,7 +105,7 @@ def chunk_ranges(num_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
 
 
 def chunk_keys(
-    token_ids: Sequence[int] | torch.Tensor,
+    token_ids: TokenIds,
     fingerprint: bytes,
     chunk_size: int,
     *,
@@ -99,8 +115,9 @@ def chunk_keys(
     """One 16-byte key per chunk of ``token_ids`` (the trailing partial chunk included).
 
     Args:
-        token_ids: Token ids in ``[0, 2**32)``: a sequence of ints or an integer tensor of shape
-            ``[num_tokens]`` on any device (copied to the CPU).
+        token_ids: Token ids in ``[0, 2**32)``: a list or tuple of ints, or an integer numpy
+            array or torch tensor of shape ``[num_tokens]`` (a tensor on any device is copied
+            to the CPU).
         fingerprint: Bytes of every fact that changes the KV bytes, usually
             ``LMCacheMetadata.fingerprint()``.
         chunk_size: Tokens per chunk, > 0.
@@ -115,14 +132,14 @@ def chunk_keys(
         ``len(chunk_ranges(len(token_ids), chunk_size))`` keys of :data:`KEY_NBYTES` bytes.
 
     Raises:
-        ValueError: A token id is outside ``[0, 2**32)``, the tensor is not 1-D,
+        ValueError: A token id is outside ``[0, 2**32)``, an array is not 1-D,
             ``chunk_size <= 0``, an ``extra_keys`` index is not a chunk index, or an extra
             value's length is outside ``[1, EXTRA_MAX_NBYTES]``.
-        TypeError: ``fingerprint``/``salt`` have the wrong type, tokens are not integers, or an
-            ``extra_keys`` index is not an int or a value not bytes.
+        TypeError: ``fingerprint``/``salt`` have the wrong type, tokens are not integers (an
+            array of a float, complex, bool or object dtype), or an ``extra_keys`` index is not
+            an int or a value not bytes.
     """
     chain = KeyChain(token_ids, fingerprint, chunk_size, salt=salt, extra_keys=extra_keys)
-    chain._pack_all()  # every key is needed: one packing of every token is cheaper
     return chain[:]
 
 
@@ -130,28 +147,46 @@ class KeyChain(Sequence[bytes]):
     """The keys of :func:`chunk_keys`, each computed on first use (in chain order) and kept.
 
     ``chain[i]`` hashes chunks ``0..i`` if not done yet; ``len(chain)`` is the number of chunks
-    and costs nothing. The arguments' types, the tensor's shape and dtype and ``extra_keys`` are
-    checked at construction, the token *values* as their chunks are hashed (so a lookup that
-    stops at its first missing chunk neither reads nor checks the tokens after it).
+    and costs nothing. The arguments' types, an array's shape, dtype and values and
+    ``extra_keys`` are checked at construction; the values of a list or tuple as their chunks
+    are hashed (so a lookup that stops at its first missing chunk neither reads nor checks the
+    tokens after it).
 
-    Args: as :func:`chunk_keys`.
+    Args: as :func:`chunk_keys`, and
+
+        known: Keys of the leading chunks, already computed for exactly these tokens,
+            fingerprint, salt and extra keys (e.g. by the lookup whose hit is now loaded): they
+            are used as they are, and the chain goes on from the last of them. Not checked:
+            keys of other tokens name other tokens' KV, so the caller must know they match.
 
     Raises:
-        At construction: as :func:`chunk_keys`, except for token values; when a chunk is
-        hashed: ``ValueError`` / ``TypeError`` for a token id of that chunk outside
+        At construction: as :func:`chunk_keys`, except for the values of a list or tuple; when
+        a chunk is hashed: ``ValueError`` / ``TypeError`` for a token id of that chunk outside
         ``[0, 2**32)`` or not an int.
     """
 
-    __slots__ = ("_cs", "_data", "_extras", "_keys", "_n", "_num_chunks", "_prev", "_tokens")
+    __slots__ = (
+        "_cs",
+        "_extras",
+        "_keys",
+        "_n",
+        "_num_chunks",
+        "_prev",
+        "_run",
+        "_run_end",
+        "_run_start",
+        "_tokens",
+    )
 
     def __init__(
         self,
-        token_ids: Sequence[int] | torch.Tensor,
+        token_ids: TokenIds,
         fingerprint: bytes,
         chunk_size: int,
         *,
         salt: str | bytes = b"",
         extra_keys: Mapping[int, bytes] | None = None,
+        known: Sequence[bytes] = (),
     ) -> None:
         if not isinstance(fingerprint, bytes | bytearray | memoryview):
             raise TypeError(
@@ -166,18 +201,25 @@ class KeyChain(Sequence[bytes]):
             raise TypeError(f"salt must be str or bytes, found {type(salt).__name__}")
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be > 0, found {chunk_size}; use e.g. 256")
-        self._tokens = _token_values(token_ids)
-        self._n = len(self._tokens)
+        packed = _packed_array(token_ids)
+        self._tokens: Sequence[int] = token_ids if packed is None else ()  # type: ignore[assignment]
+        self._n = len(token_ids) if packed is None else len(packed)
         self._cs = chunk_size
         self._num_chunks = -(-self._n // chunk_size)
         self._extras = _check_extras(extra_keys, self._num_chunks)
-        self._prev = xxhash.xxh3_128_digest(KEY_FORMAT + bytes(fingerprint) + b"\0" + salt_bytes)
-        self._keys: list[bytes] = []
-        # a list is packed one chunk at a time (only what is hashed is read); a tensor's values
-        # are packed at once (``tolist`` then ``array`` costs more than the hashing it saves)
-        self._data: memoryview | None = None
-        if isinstance(token_ids, torch.Tensor):
-            self._data = memoryview(_pack(self._tokens, 0)).cast("B")
+        self._keys: list[bytes] = [bytes(k) for k in known[: self._num_chunks]]
+        if self._keys:
+            self._prev = self._keys[-1]
+        else:
+            self._prev = xxhash.xxh3_128_digest(
+                KEY_FORMAT + bytes(fingerprint) + b"\0" + salt_bytes
+            )
+        # the packed bytes of chunks [_run_start, _run_end); an array's hold every chunk
+        self._run = memoryview(b"")
+        self._run_start = self._run_end = 0
+        if packed is not None:
+            self._run = packed.data.cast("B")
+            self._run_end = self._num_chunks
 
     def __len__(self) -> int:
         return self._num_chunks
@@ -198,6 +240,8 @@ class KeyChain(Sequence[bytes]):
             span = range(start, stop, step)
             if span:
                 self._extend(max(span[0], span[-1]) + 1)
+            if step == 1:
+                return self._keys[start:stop]
             return [self._keys[i] for i in span]
         i = operator.index(index)
         if 0 <= i < len(self._keys):
@@ -213,26 +257,67 @@ class KeyChain(Sequence[bytes]):
         for i in range(self._num_chunks):
             yield self[i]
 
-    def _pack_all(self) -> None:
-        if self._data is None:
-            self._data = memoryview(_pack(self._tokens, 0)).cast("B")
-
     def _extend(self, count: int) -> None:
         """Compute keys up to ``count`` (exclusive)."""
-        keys, cs, prev = self._keys, self._cs, self._prev
-        for index in range(len(keys), count):
-            start = index * cs
-            end = min(start + cs, self._n)
-            extra = self._extras.get(index)
-            if extra is not None:
-                prev = xxhash.xxh3_128_digest(prev + EXTRA_TAG + extra)
-            if self._data is not None:
-                chunk: memoryview | array[int] = self._data[start * 4 : end * 4]
-            else:
-                chunk = _pack(self._tokens[start:end], start)
-            prev = xxhash.xxh3_128_digest(prev + chunk)
-            keys.append(prev)
-        self._prev = prev
+        keys, extras, prev = self._keys, self._extras, self._prev
+        step = self._cs * 4
+        index = len(keys)
+        while index < count:
+            if index >= self._run_end:
+                self._pack_run(index, count)
+            run, base = self._run, self._run_start * step
+            stop = min(count, self._run_end)
+            for i in range(index, stop):
+                if extras and i in extras:
+                    prev = xxhash.xxh3_128_digest(prev + EXTRA_TAG + extras[i])
+                start = i * step - base
+                prev = xxhash.xxh3_128_digest(prev + run[start : start + step])
+                keys.append(prev)
+            index = stop
+            self._prev = prev
+
+    def _pack_run(self, first: int, count: int) -> None:
+        """Pack the tokens of a list or tuple from chunk ``first`` on: at least through chunk
+        ``count - 1``, and as many chunks as are packed already (runs double), so a chain read
+        in small steps packs O(log n) times."""
+        cs, tokens = self._cs, self._tokens
+        end = min(self._num_chunks, max(count, 2 * first + 1))
+        try:
+            whole = first == 0 and end == self._num_chunks  # no slice: it would copy the list
+            packed = _pack(tokens if whole else tokens[first * cs : end * cs], first * cs)
+        except (TypeError, ValueError):
+            if end == count:
+                raise
+            # a bad token beyond what is read now: pack only what is read (an error there is
+            # the caller's; beyond it, the tokens are checked once their chunks are read)
+            end = count
+            packed = _pack(tokens[first * cs : end * cs], first * cs)
+        self._run = memoryview(packed).cast("B")
+        self._run_start, self._run_end = first, end
+
+
+def present_prefix(keys: Sequence[bytes], missing: Callable[[list[bytes]], list[int]]) -> int:
+    """How many leading ``keys`` are present, asking ``missing`` (positions of the absent ones
+    in a run of keys, e.g. :meth:`lmcache.tiers.CPUTier.missing`: one lock per call) about
+    runs of 1, 2, 4, ... keys up to the first absent one.
+
+    A lazy :class:`KeyChain` is hashed a run at a time: at most about twice as far as the
+    present prefix goes. A bad token id of a list in a run is read only if the answer needs
+    it: that run is then asked key by key.
+    """
+    found, run, total = 0, 1, len(keys)
+    while found < total:
+        try:
+            batch = list(keys[found : found + run])
+        except (TypeError, ValueError):  # a bad token id in the run: raise only if it counts
+            while found < total and not missing([keys[found]]):
+                found += 1
+            return found
+        absent = missing(batch)
+        if absent:
+            return found + absent[0]
+        found, run = found + len(batch), run * 2
+    return found
 
 
 def key_hex(key: bytes) -> str:
@@ -276,19 +361,52 @@ def _check_extras(extra_keys: Mapping[int, bytes] | None, num_chunks: int) -> di
     return out
 
 
-def _token_values(token_ids: Sequence[int] | torch.Tensor) -> Sequence[int]:
-    """The token ids as a sequence of Python values (a tensor checked and copied to a list)."""
+def _packed_array(token_ids: TokenIds) -> npt.NDArray[np.uint32] | None:
+    """A numpy array's or torch tensor's token ids as a new contiguous little-endian uint32
+    array, checked at once; ``None`` for any other sequence (packed as its chunks are read).
+
+    Raises:
+        ValueError: the array is not 1-D, or a token id is outside ``[0, 2**32)``.
+        TypeError: the array's dtype is not an integer one.
+    """
     if isinstance(token_ids, torch.Tensor):
         tensor = token_ids.detach()
         if tensor.dim() != 1:
             raise ValueError(
-                f"token_ids tensor must be 1-D [num_tokens], found shape {tuple(tensor.shape)}"
+                f"token_ids tensor must be 1-D [num_tokens], found shape {tuple(tensor.shape)}; "
+                "pass one request's token ids (e.g. ids[0] of a batch of one)"
             )
         if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-            raise TypeError(f"token_ids tensor must have an integer dtype, found {tensor.dtype}")
-        values: Sequence[int] = tensor.cpu().tolist()
-        return values
-    return token_ids
+            raise TypeError(
+                f"token_ids tensor must have an integer dtype, found {tensor.dtype}; "
+                "convert it with .long()"
+            )
+        values: npt.NDArray[Any] = tensor.cpu().numpy()
+    elif isinstance(token_ids, np.ndarray):
+        values = token_ids
+        if values.ndim != 1:
+            raise ValueError(
+                f"token_ids array must be 1-D [num_tokens], found shape {values.shape}; "
+                "pass one request's token ids (e.g. ids[0] of a batch of one)"
+            )
+        if values.dtype.kind not in "iu":
+            raise TypeError(
+                f"token_ids array must have an integer dtype, found {values.dtype}; "
+                "convert it with .astype(np.int64)"
+            )
+    else:
+        return None
+    kind, size = values.dtype.kind, values.dtype.itemsize
+    if values.size and not (kind == "u" and size <= 4):
+        low = values.min()
+        if low < 0 or (size > 4 and values.max() >= _TOKEN_LIMIT):
+            bad = np.flatnonzero(
+                (values < 0) | (values >= _TOKEN_LIMIT) if size > 4 else values < 0
+            )
+            raise _out_of_range(int(bad[0]), int(values[bad[0]]))
+    packed = np.empty(len(values), dtype=_LE_UINT32)
+    packed[:] = values  # one vectorized conversion, into memory no caller can change
+    return packed
 
 
 def _pack(values: Sequence[int], offset: int) -> array[int]:
@@ -302,6 +420,13 @@ def _pack(values: Sequence[int], offset: int) -> array[int]:
     return packed
 
 
+def _out_of_range(index: int, token: int) -> ValueError:
+    return ValueError(
+        f"token_ids[{index}] = {token} is outside [0, 2**32): chunk keys pack token ids "
+        "as uint32; check the tokenizer output"
+    )
+
+
 def _bad_token(values: Sequence[int], offset: int = 0) -> Exception:
     for index, token in enumerate(values, offset):
         if not isinstance(token, int):
@@ -312,8 +437,7 @@ def _bad_token(values: Sequence[int], offset: int = 0) -> Exception:
                     f"token_ids[{index}] = {token!r} is a {type(token).__name__}, expected an int"
                 )
         if not 0 <= token < _TOKEN_LIMIT:
-            return ValueError(
-                f"token_ids[{index}] = {token} is outside [0, 2**32): chunk keys pack token ids "
-                "as uint32; check the tokenizer output"
-            )
-    return TypeError("token_ids must be a sequence of ints or a 1-D integer tensor")
+            return _out_of_range(index, token)
+    return TypeError(
+        "token_ids must be a list or tuple of ints, or a 1-D integer numpy array or torch tensor"
+    )

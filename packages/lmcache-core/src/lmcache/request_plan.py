@@ -11,15 +11,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lmcache.gpu_connector.interface import TransferSpec
-from lmcache.keys import KeyChain, chunk_keys, chunk_ranges
+from lmcache.keys import KeyChain, TokenIds, chunk_ranges
 
 __all__ = ["ExtraKeys", "RequestPlan", "Tokens", "plan_request"]
 
-#: Token ids of one request: a sequence of ints or a 1-D integer tensor ``[num_tokens]``.
-Tokens = Sequence[int] | torch.Tensor
+#: Token ids of one request: a list or tuple of ints, or a 1-D integer numpy array or torch
+#: tensor ``[num_tokens]``.
+Tokens = TokenIds
 
 #: Extra key material per chunk index, e.g. ``{chunk of an image's placeholders: image hash}``;
 #: see :func:`lmcache.keys.chunk_keys`.
@@ -54,6 +56,7 @@ def plan_request(
     salt: str,
     extra_keys: ExtraKeys | None = None,
     lazy: bool = False,
+    known_keys: Sequence[bytes] = (),
 ) -> RequestPlan:
     """Validate a request and compute its chunk keys (``lazy``: on first use).
 
@@ -68,12 +71,15 @@ def plan_request(
         extra_keys: Extra key material per chunk index.
         lazy: Keys as a :class:`~lmcache.keys.KeyChain`, hashed (and their token ids checked)
             as far as they are read: for a lookup, which stops at its first missing chunk.
+        known_keys: Keys of the leading chunks of exactly these tokens, fingerprint, salt and
+            extra keys, computed before (e.g. by the lookup of the hit now loaded): not hashed
+            again, and not checked (see :class:`~lmcache.keys.KeyChain`).
 
     Raises:
         ValueError: malformed tokens, mask, slot mapping or ``extra_keys``.
         TypeError: tokens or ``extra_keys`` of the wrong type.
     """
-    if isinstance(tokens, torch.Tensor) and tokens.dim() != 1:
+    if isinstance(tokens, torch.Tensor | np.ndarray) and tokens.ndim != 1:
         raise ValueError(f"tokens must be 1-D [num_tokens], found shape {tuple(tokens.shape)}")
     num_tokens = len(tokens)
     cs = chunk_size
@@ -104,10 +110,7 @@ def plan_request(
                 f"transfer.slot_mapping must be [num_tokens={num_tokens}] (one slot per token "
                 f"of the request), found shape {tuple(sm.shape)}."
             )
-    keys: Sequence[bytes]
-    if lazy:
-        keys = KeyChain(tokens, fingerprint, cs, salt=salt, extra_keys=extra_keys)
-    else:
-        keys = chunk_keys(tokens, fingerprint, cs, salt=salt, extra_keys=extra_keys)
+    chain = KeyChain(tokens, fingerprint, cs, salt=salt, extra_keys=extra_keys, known=known_keys)
+    keys: Sequence[bytes] = chain if lazy else chain[:]
     ranges = chunk_ranges(num_tokens, cs)
     return RequestPlan(num_tokens, keys, ranges, -(-masked // cs))

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -420,3 +421,104 @@ def test_key_chain_checks_everything_but_token_values_at_once() -> None:
         KeyChain(torch.tensor([1.0]), b"fp", 2)
     with pytest.raises(ValueError, match="not a chunk index"):
         KeyChain([1, 2, 3], b"fp", 2, extra_keys={2: b"x"})
+
+
+# ------------------------------------------------------------------ vectorized packing
+
+
+def _as_inputs(tokens: list[int]) -> list[object]:
+    """The same token ids as every accepted input type (lists and tuples packed per run of
+    chunks; numpy arrays and torch tensors at once, from several dtypes and layouts)."""
+    out: list[object] = [tokens, tuple(tokens), np.array(tokens, dtype=np.int64)]
+    out.append(np.array(tokens, dtype=np.uint32))
+    out.append(np.array(tokens, dtype=">i8"))  # big-endian: converted, not reinterpreted
+    out.append(torch.tensor(tokens, dtype=torch.int64))
+    if max(tokens, default=0) < 2**31:
+        out.append(torch.tensor(tokens, dtype=torch.int32))
+        out.append(np.repeat(np.array(tokens, dtype=np.int64), 2)[::2])  # non-contiguous view
+    return out
+
+
+def test_vectorized_keys_match_reference_on_random_inputs() -> None:
+    """Random lengths (partial last chunks included), chunk sizes, salts and extra keys: every
+    input type hashes to the per-token reference."""
+    rng = np.random.default_rng(11)
+    for case in range(40):
+        chunk = int(rng.choice([1, 3, 16, 64, 256]))
+        n = int(rng.integers(0, 5 * chunk + 2))
+        high = 2**32 if case % 3 == 0 else 200_000
+        tokens = [int(t) for t in rng.integers(0, high, n, dtype=np.int64)]
+        num_chunks = len(chunk_ranges(n, chunk))
+        extras = {
+            int(i): bytes(rng.integers(0, 256, int(rng.integers(1, 65)), dtype=np.uint8))
+            for i in rng.integers(0, max(num_chunks, 1), int(rng.integers(0, 3)))
+            if i < num_chunks
+        }
+        salt: str | bytes = ["", "tenant", b"\x00\xff"][case % 3]
+        want = reference_keys(tokens, b"fp", salt, chunk, extras)
+        for source in _as_inputs(tokens):
+            got = chunk_keys(source, b"fp", chunk, salt=salt, extra_keys=extras)  # type: ignore[arg-type]
+            assert [key_hex(k) for k in got] == want, (case, type(source), n, chunk)
+            chain = KeyChain(source, b"fp", chunk, salt=salt, extra_keys=extras)  # type: ignore[arg-type]
+            assert [key_hex(k) for k in chain] == want
+
+
+def test_known_keys_continue_the_chain() -> None:
+    """Keys passed as ``known`` are used as they are (not recomputed) and the chain goes on
+    from the last of them: with the true keys the result is the reference."""
+    tokens = list(range(1000, 1000 + 10 * 16 + 5))
+    extras = {2: b"image", 7: b"other"}
+    want = chunk_keys(tokens, b"fp", 16, salt="s", extra_keys=extras)
+    for cut in (0, 1, 3, 11, 20):
+        for source in (tokens, np.array(tokens)):
+            chain = KeyChain(source, b"fp", 16, salt="s", extra_keys=extras, known=want[:cut])
+            assert chain.computed() == min(cut, len(want))
+            assert chain[:] == want
+    # they are taken on trust: a wrong known key changes every key after it
+    fake = [b"\x00" * 16]
+    chain = KeyChain(tokens, b"fp", 16, salt="s", extra_keys=extras, known=fake)
+    assert chain[0] == fake[0] and all(a != b for a, b in zip(chain[1:], want[1:], strict=True))
+
+
+@pytest.mark.parametrize("make", [np.array, torch.tensor])
+def test_array_inputs_are_checked_at_once(make: object) -> None:
+    build = make  # numpy or torch constructor
+    with pytest.raises(TypeError, match="integer dtype"):
+        KeyChain(build([1.0, 2.0]), b"fp", 2)  # type: ignore[operator]
+    with pytest.raises(TypeError, match="integer dtype"):
+        KeyChain(build([True, False]), b"fp", 2)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=r"1-D \[num_tokens\], found shape \(1, 2\)"):
+        KeyChain(build([[1, 2]]), b"fp", 2)  # type: ignore[operator]
+    with pytest.raises(ValueError, match="1-D"):
+        KeyChain(build(5), b"fp", 2)  # type: ignore[operator]
+    # values are checked at construction (a list's only as its chunks are read)
+    with pytest.raises(ValueError, match=r"token_ids\[5\] = -3 is outside \[0, 2\*\*32\)"):
+        KeyChain(build([1, 2, 3, 4, 5, -3]), b"fp", 2)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=r"token_ids\[1\] = 4294967296 is outside"):
+        KeyChain(build([1, 2**32, 3]), b"fp", 2)  # type: ignore[operator]
+    assert len(KeyChain([1, 2, 3, 4, 5, -3], b"fp", 2)) == 3
+    empty = build([], dtype=torch.long if make is torch.tensor else np.int64)  # type: ignore[operator]
+    assert chunk_keys(empty, b"fp", 2) == []
+
+
+def test_array_inputs_are_copied_at_construction() -> None:
+    """A lazy chain over an array hashes the values it was built with, not later writes."""
+    source = np.arange(64, dtype=np.uint32)
+    want = chunk_keys(list(range(64)), b"fp", 8)
+    chain = KeyChain(source, b"fp", 8)
+    source[:] = 7
+    assert chain[:] == want
+    tensor = torch.arange(64, dtype=torch.int32)
+    chain = KeyChain(tensor, b"fp", 8)
+    tensor.fill_(7)
+    assert chain[:] == want
+
+
+def test_list_runs_pack_no_further_than_needed_on_a_bad_token() -> None:
+    """A list is packed in growing runs; a bad token beyond the keys read raises nothing."""
+    tokens = [*range(4 * 64), -1]  # chunk_size 4: the bad token is in the last chunk (64)
+    chain = KeyChain(tokens, b"fp", 4)
+    for i in range(64):  # read one key at a time: runs of 1, 1, 2, 4, ... chunks
+        assert chain[i] == chunk_keys(tokens[: 4 * (i + 1)], b"fp", 4)[i]
+    with pytest.raises(ValueError, match=r"token_ids\[256\] = -1"):
+        chain[64]

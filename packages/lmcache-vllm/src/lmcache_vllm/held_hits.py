@@ -13,6 +13,21 @@ A lookup may still be running when its request ends (aborted while its lookup re
 or past the scheduler's deadline): :meth:`HeldHits.finish` remembers ended requests for a while,
 so a lease put for one of them afterwards is released at once instead of waiting for the
 timeout. vLLM makes every request id unique (a random suffix), so an id never comes back.
+
+A hit also keeps what its chunk keys were computed for (:class:`LookedUp`: the lookup's token
+ids, salt and extra keys), so the load reuses the keys instead of hashing the prompt again, but
+only for leading chunks whose tokens, salt and extra keys it finds equal
+(:meth:`LookedUp.keys_for`); anything else is hashed again. The keys never leave the worker
+process that computed them (they depend on its rank's fingerprint): nothing is added to the
+metadata the scheduler sends.
+
+Comparing token ids costs about as much as hashing them unless the two lists share their int
+objects, so the keys are reused only then: when the scheduler and the worker share a process
+(vLLM's single-worker engine core, also in its default multiprocess mode), the lookup's and the
+load's tokens are both slices of the request's prompt list, and the comparison is a pointer
+walk (about a third of hashing again, measured: ``benchmarks/lookup.py`` times the hashing).
+When the metadata was pickled to the worker (several ranks) or the lookup came over a socket,
+the load hashes its tokens again: the cheaper, equally safe way.
 """
 
 from __future__ import annotations
@@ -20,15 +35,137 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from lmcache.held_hit import HeldHit
 
-__all__ = ["HeldHits"]
+__all__ = ["HeldHits", "LookedUp"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LookedUp:
+    """What a held hit's keys were computed for: the lookup's token ids, salt and extra keys.
+
+    Attributes:
+        tokens: The lookup's token ids (the request's prompt), a snapshot (see :meth:`of`).
+        salt: The request's key salt.
+        extra_keys: Chunk index -> extra key material of the lookup.
+    """
+
+    tokens: Sequence[int] | npt.NDArray[Any]
+    salt: str
+    extra_keys: Mapping[int, bytes] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        tokens: Sequence[int] | npt.NDArray[Any],
+        salt: str,
+        extra_keys: Mapping[int, bytes] | None,
+    ) -> LookedUp:
+        """What a lookup of ``tokens`` made its keys for, with a snapshot of the tokens: a
+        read-only array (a decoded query's) as it is, anything else copied to a list (a
+        pointer copy; the int objects are shared, so comparing with the prompt they came from
+        stays a pointer comparison)."""
+        if not (isinstance(tokens, np.ndarray) and not tokens.flags.writeable):
+            tokens = list(tokens) if not isinstance(tokens, np.ndarray) else tokens.copy()
+        return cls(tokens, salt, dict(extra_keys or {}))
+
+    def keys_for(
+        self,
+        hit: HeldHit,
+        tokens: Sequence[int],
+        salt: str,
+        extra_keys: Mapping[int, bytes] | None,
+        chunk_size: int,
+    ) -> list[bytes]:
+        """The keys of ``hit`` that are also the leading chunk keys of ``tokens`` with ``salt``
+        and ``extra_keys`` (a load's), or ``[]``.
+
+        A key is reused only when its chunk covers the same token range in both requests, and
+        the salt, the extra keys of those chunks and every token through the last reused chunk
+        are equal; otherwise the load hashes its tokens again (a wrong key would load another
+        prompt's KV). Never raises: anything unexpected means no reuse.
+        """
+        try:
+            return self._keys_for(hit, tokens, salt, extra_keys, chunk_size)
+        except Exception:  # e.g. a malformed request: the load hashes (and checks) it itself
+            logger.debug("lmcache: not reusing a lookup's keys", exc_info=True)
+            return []
+
+    def _keys_for(
+        self,
+        hit: HeldHit,
+        tokens: Sequence[int],
+        salt: str,
+        extra_keys: Mapping[int, bytes] | None,
+        chunk_size: int,
+    ) -> list[bytes]:
+        if salt != self.salt or not hit.keys or len(tokens) == 0:
+            return []
+        n = len(tokens)
+        count = min(len(hit.keys), -(-n // chunk_size))
+        # a partial last chunk is the same chunk only if both requests end at the same token
+        if min(count * chunk_size, n) != min(count * chunk_size, len(self.tokens)):
+            count -= 1
+        if count <= 0:
+            return []
+        mine = {i: e for i, e in self.extra_keys.items() if i < count}
+        theirs = {i: e for i, e in (extra_keys or {}).items() if i < count}
+        m = min(count * chunk_size, n)
+        if mine != theirs or not _cheap_to_compare(self.tokens, tokens, m):
+            return []
+        return hit.keys[:count] if _same_leading(self.tokens, tokens, m) else []
+
+
+def _cheap_to_compare(
+    a: Sequence[int] | npt.NDArray[Any], b: Sequence[int] | npt.NDArray[Any], m: int
+) -> bool:
+    """Whether comparing the first ``m`` ids of ``a`` and ``b`` costs clearly less than hashing
+    them: two arrays, or two lists whose sampled ids are the same int objects (slices of one
+    prompt list). A list against an array, or lists of separately made ints (unpickled), cost
+    about what hashing costs: the caller hashes instead."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return True
+    if not (isinstance(a, list) and isinstance(b, list)) or len(a) < m or len(b) < m:
+        return False
+    return all(a[i] is b[i] for i in {0, m // 3, m // 2, 2 * m // 3, m - 1} if i < m)
+
+
+def _same_leading(
+    a: Sequence[int] | npt.NDArray[Any], b: Sequence[int] | npt.NDArray[Any], m: int
+) -> bool:
+    """Whether the first ``m`` token ids of ``a`` and ``b`` are equal (both hold ``m``)."""
+    if len(a) < m or len(b) < m:
+        return False
+    if a is b:
+        return True
+    x = a if len(a) == m else a[:m]
+    y = b if len(b) == m else b[:m]
+    if isinstance(x, list) and isinstance(y, list):
+        return x == y  # C loop; equal int objects (one prompt list's) compare by identity
+    try:
+        return bool(np.array_equal(_int64(x), _int64(y)))
+    except (OverflowError, TypeError, ValueError):
+        return False  # not all ints (or beyond int64): not the ids any key was made from
+
+
+def _int64(tokens: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.int64]:
+    """Token ids as int64 values (a list by one C loop, not numpy's per-object conversion)."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype.kind not in "iu" or (tokens.dtype.kind == "u" and tokens.itemsize > 4):
+            raise TypeError(f"token ids of dtype {tokens.dtype}")
+        return tokens.astype(np.int64, copy=False)
+    return np.frombuffer(array("q", tokens), dtype=np.int64)
 
 
 @dataclass
@@ -37,6 +174,7 @@ class _Held:
     num_query_tokens: int
     salt: str
     expires: float
+    looked_up: LookedUp | None = None
 
 
 class HeldHits:
@@ -82,12 +220,21 @@ class HeldHits:
             held.expires = time.monotonic() + self.timeout_s
             return held.hit.num_tokens
 
-    def put(self, req_id: str, hit: HeldHit, num_query_tokens: int, salt: str) -> None:
+    def put(
+        self,
+        req_id: str,
+        hit: HeldHit,
+        num_query_tokens: int,
+        salt: str,
+        looked_up: LookedUp | None = None,
+    ) -> None:
         """Hold ``hit`` for ``req_id``, releasing what it held before (an empty hit, or one of a
-        request that has ended already, is released at once)."""
+        request that has ended already, is released at once); ``looked_up``: what its keys were
+        computed for (:meth:`take` gives it back for the load to reuse them)."""
         new = None
         if hit.num_tokens > 0:
-            new = _Held(hit, num_query_tokens, salt, time.monotonic() + self.timeout_s)
+            expires = time.monotonic() + self.timeout_s
+            new = _Held(hit, num_query_tokens, salt, expires, looked_up)
         with self._lock:
             ended = req_id in self._ended
             old = self._held.pop(req_id, None)
@@ -107,9 +254,14 @@ class HeldHits:
 
     def pop(self, req_id: str) -> HeldHit | None:
         """Take the hit held for ``req_id`` (the caller releases it)."""
+        return self.take(req_id)[0]
+
+    def take(self, req_id: str) -> tuple[HeldHit | None, LookedUp | None]:
+        """Take the hit held for ``req_id`` and what its keys were computed for (``None``
+        when not given to :meth:`put`); the caller releases the hit."""
         with self._lock:
             held = self._held.pop(req_id, None)
-        return None if held is None else held.hit
+        return (None, None) if held is None else (held.hit, held.looked_up)
 
     def release(self, req_ids: Iterable[str]) -> None:
         """Release the hits of ``req_ids`` (those that hold one); e.g. preempted requests,

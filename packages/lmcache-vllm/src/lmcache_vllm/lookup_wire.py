@@ -31,8 +31,14 @@ from __future__ import annotations
 import operator
 import socket
 import struct
+import sys
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 __all__ = [
     "MAX_EXTRA_KEYS",
@@ -76,14 +82,16 @@ _EXTRA_HEAD = struct.Struct("<IB")
 _TOKEN_LIMIT = 1 << 32
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LookupQuery:
     """One scheduler -> worker lookup.
 
     Attributes:
         req_id: vLLM request id; the worker leases the hit chunks under it. Any string; more than
             :data:`MAX_ID_BYTES` utf-8 bytes is an error at encode.
-        tokens: Prompt token ids, each in ``[0, 2**32)``; at most :data:`MAX_TOKENS`.
+        tokens: Prompt token ids, each in ``[0, 2**32)``; at most :data:`MAX_TOKENS`. A
+            decoded query holds them as a read-only little-endian uint32 numpy array (read
+            from the frame with no per-token work; chunk keys hash it as it is).
         salt: Already-derived key salt (the adapter hashes long cache salts); at most
             :data:`MAX_SALT_BYTES` utf-8 bytes.
         extra_keys: Chunk index -> extra key material of that chunk (1 to
@@ -91,9 +99,20 @@ class LookupQuery:
     """
 
     req_id: str
-    tokens: Sequence[int]
+    tokens: Sequence[int] | npt.NDArray[Any]
     salt: str = ""
     extra_keys: Mapping[int, bytes] = field(default_factory=dict)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal fields, token ids compared by value (a list equals its decoded array)."""
+        if not isinstance(other, LookupQuery):
+            return NotImplemented
+        return (
+            (self.req_id, self.salt, dict(self.extra_keys))
+            == (other.req_id, other.salt, dict(other.extra_keys))
+            and len(self.tokens) == len(other.tokens)
+            and all(int(a) == int(b) for a, b in zip(self.tokens, other.tokens, strict=True))
+        )
 
 
 def _utf8(text: str, limit: int, what: str) -> bytes:
@@ -114,7 +133,7 @@ def _utf8(text: str, limit: int, what: str) -> bytes:
     return data
 
 
-def _bad_token(tokens: Sequence[int]) -> str:
+def _bad_token(tokens: Sequence[int] | npt.NDArray[Any]) -> str:
     """Which token failed to pack as a u32, and why (for the ValueError)."""
     for i, token in enumerate(tokens):
         try:
@@ -186,9 +205,22 @@ def encode_lookup(query: LookupQuery) -> bytes:
     parts = _head(query)
     tokens = query.tokens
     try:
-        parts.append(struct.pack(f"<{len(tokens)}I", *tokens))
-    except struct.error:
+        if isinstance(tokens, np.ndarray):
+            if tokens.dtype.kind not in "iu" or (
+                tokens.size and (tokens.min() < 0 or tokens.max() >= _TOKEN_LIMIT)
+            ):
+                raise OverflowError
+            packed = tokens.astype("<u4").tobytes()
+        else:
+            words = array("I", tokens)  # one C loop over the list (no per-token Python)
+            if words.itemsize != 4:
+                raise OverflowError  # pragma: no cover - no such platform in use
+            if sys.byteorder == "big":  # pragma: no cover
+                words.byteswap()
+            packed = words.tobytes()
+    except (OverflowError, TypeError):
         raise ValueError(f"lookup tokens: {_bad_token(tokens)}") from None
+    parts.append(packed)
     return b"".join(parts)
 
 
@@ -253,8 +285,12 @@ def decode_request_body(sock: socket.socket, op: int) -> LookupQuery | None:
     (n,) = _U32.unpack(_recv_exact(sock, 4))
     if n > MAX_TOKENS:
         raise ValueError(f"token count {n} exceeds the limit {MAX_TOKENS}")
-    tokens = list(struct.unpack(f"<{n}I", _recv_exact(sock, 4 * n))) if n else []
+    tokens = np.frombuffer(_recv_exact(sock, 4 * n), dtype="<u4") if n else _NO_TOKENS
+    tokens.flags.writeable = False  # a snapshot: the load compares its keys' tokens with it
     return LookupQuery(req_id=req_id, tokens=tokens, salt=salt, extra_keys=extra)
+
+
+_NO_TOKENS: npt.NDArray[np.uint32] = np.empty(0, dtype="<u4")
 
 
 def decode_request(sock: socket.socket) -> LookupQuery | None:

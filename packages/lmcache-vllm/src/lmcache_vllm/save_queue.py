@@ -43,6 +43,9 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 __all__ = ["CommitJob", "CopyJob", "QuietGate", "ReadFence", "SaveQueue", "UnpublishedSaves"]
 
 logger = logging.getLogger(__name__)
@@ -343,7 +346,7 @@ class UnpublishedSaves:
     def wait_for(
         self,
         salt: str,
-        tokens: Sequence[int],
+        tokens: Sequence[int] | npt.NDArray[Any],
         found: int,
         timeout: float = 0.5,
         hurry: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
@@ -358,7 +361,7 @@ class UnpublishedSaves:
         cut = min(len(tokens), (found // self.chunk_size + 1) * self.chunk_size)
         if cut <= 0:
             return False
-        first, last = tokens[0], tokens[cut - 1]
+        first, last = int(tokens[0]), int(tokens[cut - 1])
         want: list[int] | None = None
 
         def _blocking() -> bool:
@@ -367,8 +370,9 @@ class UnpublishedSaves:
                 # most saves differ in their first or last needed token: no slice compared
                 if s != salt or len(t) < cut or t[0] != first or t[cut - 1] != last:
                     continue
-                if want is None:
-                    want = list(tokens[:cut])
+                if want is None:  # ints (an array's are compared as such, not per scalar)
+                    head = tokens[:cut]
+                    want = head.tolist() if isinstance(head, np.ndarray) else list(head)
                 if t[:cut] == want:
                     return True
             return False

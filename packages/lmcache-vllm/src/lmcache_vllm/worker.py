@@ -61,7 +61,7 @@ from lmcache_vllm.connector_metadata import (
 )
 from lmcache_vllm.fused_plan import Prefetched
 from lmcache_vllm.gpu_connector import VLLMPagedConnector
-from lmcache_vllm.held_hits import HeldHits
+from lmcache_vllm.held_hits import HeldHits, LookedUp
 from lmcache_vllm.kv_registration import build_engine, order_caches
 from lmcache_vllm.lookup import LookupQuery, LookupServer
 from lmcache_vllm.save_queue import CommitJob, CopyJob, ReadFence, SaveQueue, UnpublishedSaves
@@ -235,7 +235,9 @@ class WorkerSide:
             hit = engine.lookup_and_lease(query.tokens, salt=query.salt, extra_keys=extra)
         self._prefetch(engine, hit)
         self._verify(engine, hit)
-        self._held.put(query.req_id, hit, len(query.tokens), query.salt)
+        # what the hit's keys were made for (a snapshot: the load compares, then reuses them)
+        looked = LookedUp.of(query.tokens, query.salt, extra) if hit.num_tokens else None
+        self._held.put(query.req_id, hit, len(query.tokens), query.salt, looked)
         return hit.num_tokens
 
     def _verify(self, engine: LMCacheEngine, hit: HeldHit) -> None:
@@ -447,12 +449,12 @@ class WorkerSide:
             return
         layerwise: list[tuple[ReqMeta, LayerwiseRetrieve, HeldHit | None]] = []
         for req in meta.requests:
-            held = self._held.pop(req.req_id)
+            held, looked = self._held.take(req.req_id)
             if req.load is None:
                 if held is not None:
                     held.release()
                 continue
-            started = self._load_one(engine, req, held)
+            started = self._load_one(engine, req, held, looked)
             if started is not None:
                 layerwise.append((req, started, held))
         if layerwise and self._layerwise is not None:
@@ -461,9 +463,14 @@ class WorkerSide:
             )
 
     def _load_one(
-        self, engine: LMCacheEngine, req: ReqMeta, held: HeldHit | None
+        self,
+        engine: LMCacheEngine,
+        req: ReqMeta,
+        held: HeldHit | None,
+        looked: LookedUp | None = None,
     ) -> LayerwiseRetrieve | None:
-        """Load ``req`` (batched), or return its layerwise retrieve for the caller to drive."""
+        """Load ``req`` (batched), or return its layerwise retrieve for the caller to drive;
+        the keys its lookup computed (``looked``) are reused where they match its tokens."""
         plan = load_plan(req, self.block_size, self.chunk_size)
         if plan is None:
             if held is not None:
@@ -476,12 +483,21 @@ class WorkerSide:
         if held is not None and held.prefetched is not None:
             transfer = dataclasses.replace(transfer, staged=held.prefetched)
         extra = req.extra_keys or None
+        known: list[bytes] = []
+        if held is not None and looked is not None:
+            known = looked.keys_for(held, tokens, req.salt, extra, self.chunk_size)
         started = time.perf_counter()
         loaded: torch.Tensor | None = None
         try:
             if self.config.use_layerwise or self._async_loads:
                 retriever = engine.retrieve_layerwise(
-                    tokens, mask, transfer, salt=req.salt, extra_keys=extra, held=held
+                    tokens,
+                    mask,
+                    transfer,
+                    salt=req.salt,
+                    extra_keys=extra,
+                    held=held,
+                    known_keys=known,
                 )
                 full = torch.zeros(len(req.token_ids), dtype=torch.bool)
                 lo = req.load.vllm_cached // self.chunk_size * self.chunk_size  # type: ignore[union-attr]
@@ -490,7 +506,13 @@ class WorkerSide:
                 return retriever
             with self._xfer_lock:
                 loaded = engine.retrieve(
-                    tokens, mask, transfer, salt=req.salt, extra_keys=extra, held=held
+                    tokens,
+                    mask,
+                    transfer,
+                    salt=req.salt,
+                    extra_keys=extra,
+                    held=held,
+                    known_keys=known,
                 )
         except Exception:
             logger.exception("lmcache: load of request %s failed", req.req_id)

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmcache.keys import present_prefix
 from lmcache.tiers.chunk_format import fingerprint_digest
 from lmcache.tiers.cpu_tier import CPUTier
 from lmcache.tiers.lower_tier import LowerTier, ReadRequest
@@ -123,6 +124,15 @@ def cpu_contains(stack: TierStack, key: bytes) -> bool:
         return False
 
 
+def _cpu_missing(stack: TierStack, keys: Sequence[bytes], action: str) -> list[int]:
+    """:meth:`CPUTier.missing` (one lock); a tier error makes every key missing, counted."""
+    try:
+        return stack.cpu.missing(keys)
+    except Exception as exc:
+        _cpu_error(stack, action, exc)
+        return list(range(len(keys)))
+
+
 def lower_presence(stack: TierStack, keys: Sequence[bytes]) -> list[list[bool]]:
     """For each lower tier (in order), whether it holds each of ``keys``: one batched
     :meth:`~lmcache.tiers.LowerTier.contains` per tier (a failing tier answers all ``False``)."""
@@ -132,13 +142,11 @@ def lower_presence(stack: TierStack, keys: Sequence[bytes]) -> list[list[bool]]:
 def stored_prefix(stack: TierStack, keys: Sequence[bytes]) -> int:
     """How many leading ``keys`` some tier holds: CPU first, then the lower tiers.
 
-    The CPU tier is asked key by key up to its first miss; the remaining keys go to each lower
-    tier in one batched query; a key counts when any tier holds it. Nothing is verified or
-    leased (see :func:`hit_run`).
+    The CPU tier is asked in runs of keys up to its first miss (:func:`~lmcache.keys.
+    present_prefix`); the remaining keys go to each lower tier in one batched query; a key
+    counts when any tier holds it. Nothing is verified or leased (see :func:`hit_run`).
     """
-    found = 0
-    while found < len(keys) and cpu_contains(stack, keys[found]):
-        found += 1
+    found = present_prefix(keys, lambda run: _cpu_missing(stack, run, "look up a chunk"))
     if found == len(keys) or not stack.lower:
         return found
     rest = keys[found:]
@@ -336,11 +344,7 @@ def keys_to_store(stack: TierStack, keys: Sequence[bytes]) -> list[int]:
     if not stack.stores_anything:
         return []
     if stack.local_cpu:
-        try:
-            return stack.cpu.missing(keys)
-        except Exception as exc:
-            _cpu_error(stack, "look up chunks", exc)
-            return list(range(len(keys)))
+        return _cpu_missing(stack, keys, "look up chunks")
     below = lower_presence(stack, keys)
     return [i for i in range(len(keys)) if not all(p[i] for p in below)]
 
