@@ -115,8 +115,15 @@ class SchedulerSide:
         self.world_size = world_size
         self._keyer = RequestKeyer(self.chunk_size)
         self._lookup_client: LookupClient | None = None
-        # Lookups that may read the disk / remote tier run off the scheduler thread.
-        self.async_lookups = config.local_disk is not None or config.remote_url is not None
+        # Lookups that may read the disk / remote tier run off the scheduler thread. So do
+        # lookups on CUDA with checksums: the worker checks a hit on the GPU before answering,
+        # which waits for the hit's host-to-device copy.
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+        self.async_lookups = (
+            config.local_disk is not None
+            or config.remote_url is not None
+            or (str(device) == "cuda" and config.checksum is not False)
+        )
         self._lookups: dict[str, tuple[Future[int], float]] = {}  # and when it is too late
         self._lookup_pool: ThreadPoolExecutor | None = None
         self._load_specs: dict[str, LoadSpec] = {}

@@ -5,6 +5,7 @@ objects: what is loaded, what is saved, slot mappings, picklable metadata."""
 from __future__ import annotations
 
 import pickle
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -270,3 +271,35 @@ def test_lookups_that_may_read_lower_tiers_never_block_the_scheduler():
     assert "b" not in impl.scheduler._lookups
     gate.set()
     impl.scheduler.close()
+
+
+def test_cuda_lookups_run_off_the_scheduler_thread_when_hits_are_verified():
+    """On CUDA the worker checks a hit on the GPU before answering (it waits for the hit's
+    copy): such lookups run in the background and vLLM asks again, as for a disk tier."""
+    impl, cfg = make_impl(hit=0)
+    assert impl.scheduler.async_lookups is False  # no device_config: not CUDA
+    for device, checksum, expected in [
+        ("cuda", None, True),
+        ("cuda", False, False),
+        ("cpu", None, False),
+    ]:
+        cfg.device_config = SimpleNamespace(device_type=device)
+        extra = cfg.kv_transfer_config.kv_connector_extra_config
+        extra.pop("lmcache.checksum", None)
+        if checksum is not None:
+            extra["lmcache.checksum"] = checksum
+        again = adapter.LMCacheConnectorV1Impl(cfg, SimpleNamespace(name="SCHEDULER"), None)
+        assert again.scheduler.async_lookups is expected, (device, checksum)
+        again.scheduler._lookup_client = FakeClient(CHUNK * 2)
+        req = request(f"r-{device}-{checksum}", list(range(3 * CHUNK)))
+        first = again.get_num_new_matched_tokens(req, 0)
+        if expected:  # asked in the background; the answer comes at a later step
+            assert first is None
+            deadline = time.monotonic() + 5
+            got = None
+            while got is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+                got = again.get_num_new_matched_tokens(req, 0)
+            assert got == 2 * CHUNK
+        else:
+            assert first == 2 * CHUNK
