@@ -468,8 +468,8 @@ class FusedTransfer:
             return self._store_by_kernel(layers, chunks, transfer, deferred)
         try:
             prep = transfer.prepared
-            if not isinstance(prep, PreparedStore):
-                prep = None
+            if not isinstance(prep, PreparedStore) or prep.kernel_index is not None:
+                prep = None  # a kernel store's index is raw slots, not this path's indices
             if prep is not None and prep.matches(layers, chunks, transfer):
                 plan = prep.plan  # planned while the step computed this KV
             else:
