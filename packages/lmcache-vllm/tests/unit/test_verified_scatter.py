@@ -201,3 +201,25 @@ def test_a_slot_outside_the_cache_is_refused(device: str, monkeypatch) -> None:
     stored = [dataclasses.replace(chunks[0], checksum=sums.values()[0])]
     with pytest.raises(ValueError, match="outside the cache's slots"):
         conn.to_gpu(stored, TransferSpec(slots))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_prepared_kernel_store_matches_an_unprepared_one(device: str, monkeypatch) -> None:
+    """The kernel store planned ahead (index uploaded before the KV exists) copies the same
+    bytes and sums as one planned at the copy."""
+    if device == "cpu":
+        monkeypatch.setattr(FusedTransfer, "_kernel_store", lambda self, transfer: True)
+        monkeypatch.setattr(FusedTransfer, "plans_ahead", lambda self, transfer: True)
+    _, conn = _checked_conn("lbnhc", device, 17)
+    slots = _slots(RANGES[-1][1], 18, "cpu")
+    spec = TransferSpec(slots)
+    a = chunk_buffers(conn, RANGES, "adjacent")
+    b = chunk_buffers(conn, RANGES, "adjacent")
+    prep = conn.prepare_store(a, spec)
+    assert prep is not None and prep.kernel_index is not None
+    sums_a = conn.from_gpu(a, dataclasses.replace(spec, prepared=prep))
+    sums_b = conn.from_gpu(b, spec)
+    conn.synchronize()
+    assert sums_a is not None and sums_b is not None
+    assert sums_a.values() == sums_b.values() == [chunk_checksum(c.buffer) for c in b]
+    assert all(torch.equal(_bits(x.buffer), _bits(y.buffer)) for x, y in zip(a, b, strict=True))
