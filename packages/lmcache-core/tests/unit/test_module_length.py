@@ -21,8 +21,6 @@ KNOWN_LONG: frozenset[str] = frozenset(
         "lmcache-vllm/src/lmcache_vllm/lookup.py",
         "lmcache-vllm/src/lmcache_vllm/scheduler.py",
         "lmcache-vllm/src/lmcache_vllm/worker.py",
-        # The real redis-server fixtures (one server, a cluster, a sentinel): not split yet.
-        "lmcache-core/src/lmcache/testing/redis_server.py",
     }
 )
 
