@@ -136,7 +136,7 @@ class LMCacheEngine(EngineSetup):
             raise RuntimeError("LMCacheEngine.lookup: the engine is closed.")
         plan = self._plan(tokens, None, None, salt, extra_keys, lazy=True)
         found = cascade.stored_prefix(self._tiers, plan.keys)
-        self._parts.touch(plan.keys[:found])
+        self._engine_tiers.touch(plan.keys[:found])
         return self._hits.count_lookup(plan, found)
 
     def lookup_and_lease(
@@ -167,7 +167,7 @@ class LMCacheEngine(EngineSetup):
             raise RuntimeError("LMCacheEngine.lookup_and_lease: the engine is closed.")
         plan = self._plan(tokens, None, None, salt, extra_keys, lazy=True)
         chunks = self._hits.hit_run(plan, 0)
-        self._parts.touch(plan.keys[: len(chunks)])
+        self._engine_tiers.touch(plan.keys[: len(chunks)])
         return HeldHit(chunks, self._hits.count_lookup(plan, len(chunks)))
 
     def cut_held_hit(self, hit: HeldHit, ok: Sequence[bool]) -> None:

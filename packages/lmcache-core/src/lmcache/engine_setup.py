@@ -29,7 +29,7 @@ from lmcache.gpu_connector.interface import (
     supports_layerwise,
 )
 from lmcache.load_checks import LoadChecker
-from lmcache.memory import HostMemoryPool
+from lmcache.memory import HostMemoryPool, aligned_bytes
 from lmcache.metrics import LMCacheMetrics
 from lmcache.request_plan import ExtraKeys, RequestPlan, Tokens, plan_request
 from lmcache.tiers import CPUTier, LowerTier, cascade, process_lower_tiers
@@ -80,7 +80,7 @@ class EngineSetup:
         self.tier = tier
         self.pool = tier.pool
         self._fingerprint = metadata.fingerprint()
-        self._parts = EngineTiers(
+        self._engine_tiers = EngineTiers(
             cascade.TierStack(
                 tier,
                 tuple(self.lower_tiers),
@@ -94,12 +94,12 @@ class EngineSetup:
             metadata,
             self.chunk_size,
         )
-        self._hits = HitReader(self._parts)
-        self._stores = StoreWriter(self._parts, save_unfull_chunk=config.save_unfull_chunk)
-        self._loads = LoadChecker(self._parts)
+        self._hits = HitReader(self._engine_tiers)
+        self._stores = StoreWriter(self._engine_tiers, save_unfull_chunk=config.save_unfull_chunk)
+        self._loads = LoadChecker(self._engine_tiers)
         self._closed = False
         self._close_lock = threading.Lock()
-        chunk_bytes = self._parts.chunk_bytes()
+        chunk_bytes = self._engine_tiers.chunk_bytes()
         self._check_cpu_budget(chunk_bytes)
         for lower in self.lower_tiers:
             lower.check_quota(chunk_bytes)
@@ -114,7 +114,7 @@ class EngineSetup:
     @property
     def _tiers(self) -> cascade.TierStack:
         """The tiers this engine cascades over (replaced when the checksum choice changes)."""
-        return self._parts.stack
+        return self._engine_tiers.stack
 
     def _check_cpu_budget(self, chunk_bytes: int) -> None:
         """Refuse a host budget below one chunk: every store would be dropped without a word.
@@ -124,7 +124,7 @@ class EngineSetup:
         """
         if not (self.config.local_cpu or self.lower_tiers):
             return  # nothing is stored or staged: the budget is unused
-        need = self._parts.min_cpu_budget()
+        need = aligned_bytes(chunk_bytes)
         if self.pool.budget_bytes < need:
             raise ConfigError(
                 f"lmcache config key 'max_local_cpu_size': the host memory budget is "
@@ -155,7 +155,7 @@ class EngineSetup:
             gpu_connector.engine.device, gpu_connector.verifies_checksums
         )
         if checksum != self._tiers.checksum:
-            self._parts.stack = dataclasses.replace(self._tiers, checksum=checksum)
+            self._engine_tiers.stack = dataclasses.replace(self._tiers, checksum=checksum)
 
     def _connector(self, action: str) -> GPUConnectorInterface:
         if self._closed:

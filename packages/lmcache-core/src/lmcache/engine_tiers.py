@@ -13,7 +13,6 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from lmcache.memory import aligned_bytes
 from lmcache.tiers import CPUTier, cascade
 
 if TYPE_CHECKING:
@@ -62,10 +61,6 @@ class EngineTiers:
         """Bytes of one full chunk."""
         layers, tokens, width = self.chunk_shape(self.chunk_size)
         return layers * tokens * width * self.metadata.kv_dtype.itemsize
-
-    def min_cpu_budget(self) -> int:
-        """The smallest host budget that holds one full chunk (pool alignment included)."""
-        return aligned_bytes(self.chunk_bytes())
 
     def tier_error(self, action: str, exc: Exception) -> None:
         """Count and log a CPU tier failure, which the caller treats as a miss."""
