@@ -75,9 +75,9 @@ class Profile:
             return
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-        from lmcache_vllm.save_queue import SaveQueue
-        from lmcache_vllm.scheduler import SchedulerSide
-        from lmcache_vllm.worker import WorkerSide
+        from lmcache_vllm.scheduler.side import SchedulerSide
+        from lmcache_vllm.worker.save_queue import SaveQueue
+        from lmcache_vllm.worker.side import WorkerSide
 
         copy, commit = SaveQueue._run_copy, SaveQueue._run_commit
 
@@ -102,7 +102,7 @@ class Profile:
             import importlib
 
             from lmcache.layerwise import StagedStore
-            from lmcache_vllm.save_queue import QuietGate
+            from lmcache_vllm.worker.save_queue import QuietGate
 
             # the parts of a commit job: asleep (copy, gate) or publishing
             StagedStore.commit = self._span("publish", StagedStore.commit)  # type: ignore[method-assign]

@@ -20,10 +20,10 @@ KNOWN_LONG: frozenset[str] = frozenset(
         "lmcache-core/src/lmcache/cache_engine.py",
         "lmcache-core/src/lmcache/layerwise.py",
         # issue 29: the vLLM adapter's scheduler, worker, lookup server and fused transfers.
-        "lmcache-vllm/src/lmcache_vllm/fused_transfer.py",
-        "lmcache-vllm/src/lmcache_vllm/lookup.py",
-        "lmcache-vllm/src/lmcache_vllm/scheduler.py",
-        "lmcache-vllm/src/lmcache_vllm/worker.py",
+        "lmcache-vllm/src/lmcache_vllm/transfer/fused_transfer.py",
+        "lmcache-vllm/src/lmcache_vllm/worker/lookup_server.py",
+        "lmcache-vllm/src/lmcache_vllm/scheduler/side.py",
+        "lmcache-vllm/src/lmcache_vllm/worker/side.py",
         # The real redis-server fixtures (one server, a cluster, a sentinel): not split yet.
         "lmcache-core/src/lmcache/testing/redis_server.py",
     }

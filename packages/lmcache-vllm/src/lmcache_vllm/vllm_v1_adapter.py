@@ -6,7 +6,7 @@ in every worker (``KVConnectorRole.WORKER``); with tensor parallelism or the def
 executor these live in different processes. vLLM's in-tree ``LMCacheConnectorV1`` (imported
 through ``lmcache.integration.vllm.vllm_v1_adapter``) and our :mod:`lmcache_vllm.connector` both
 construct ``LMCacheConnectorV1Impl(vllm_config, role, parent)`` and delegate to it; it holds a
-:class:`~lmcache_vllm.scheduler.SchedulerSide` or a :class:`~lmcache_vllm.worker.WorkerSide`
+:class:`~lmcache_vllm.scheduler.side.SchedulerSide` or a :class:`~lmcache_vllm.worker.side.WorkerSide`
 (read their module docstrings for the per-step lifecycle) over the plain-data metadata of
 :mod:`lmcache_vllm.connector_metadata`.
 
@@ -32,10 +32,10 @@ from lmcache_vllm.connector_metadata import (
     SaveSpec,
     WorkerStats,
 )
-from lmcache_vllm.kv_registration import check_kv_cache_groups
-from lmcache_vllm.scheduler import SchedulerSide, engine_key
+from lmcache_vllm.scheduler.side import SchedulerSide, engine_key
 from lmcache_vllm.utils import calculate_local_rank_and_world_size
-from lmcache_vllm.worker import WorkerSide
+from lmcache_vllm.worker.kv_registration import check_kv_cache_groups
+from lmcache_vllm.worker.side import WorkerSide
 
 __all__ = [
     "LMCacheConnectorMetadata",
@@ -178,7 +178,7 @@ class LMCacheConnectorV1Impl:
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """``(False, None)``: vLLM frees the blocks at once; the workers' saves of them finish
-        copying before any later step can rewrite them (see :mod:`lmcache_vllm.save_queue`)."""
+        copying before any later step can rewrite them (see :mod:`lmcache_vllm.worker.save_queue`)."""
         self._sched().request_finished(request, block_ids)
         return False, None
 

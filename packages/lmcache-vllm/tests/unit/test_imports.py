@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import lmcache_vllm
-from lmcache_vllm import gpu_connector, lookup, utils
+from lmcache_vllm import gpu_connector, utils
+from lmcache_vllm.worker import lookup_server as lookup
 
 
 def test_public_names():
@@ -28,7 +29,7 @@ def test_public_names():
 
 def test_gpu_connector_and_lookup_do_not_import_vllm():
     code = (
-        "import sys, lmcache_vllm, lmcache_vllm.gpu_connector, lmcache_vllm.lookup, "
+        "import sys, lmcache_vllm, lmcache_vllm.gpu_connector, lmcache_vllm.worker.lookup_server, "
         "lmcache_vllm.utils; assert 'vllm' not in sys.modules, 'vllm imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -16,10 +16,10 @@ import torch
 
 from lmcache.tiers import reset_process_cpu_tiers
 from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
-from lmcache_vllm.scheduler import SchedulerSide, engine_key
+from lmcache_vllm.scheduler.side import SchedulerSide, engine_key
 from lmcache_vllm.testing import connector_vllm_config
 from lmcache_vllm.vllm_v1_adapter import load_lmcache_config
-from lmcache_vllm.worker import WorkerSide
+from lmcache_vllm.worker.side import WorkerSide
 
 CHUNK, BLOCK, HEADS, HEAD, LAYERS = 64, 16, 2, 32, 2
 NUM_BLOCKS = 200
@@ -408,8 +408,8 @@ def test_a_hit_is_copied_to_the_device_at_lookup_and_loads_exactly(tmp_path, via
         pytest.skip("needs a CUDA GPU")
     import gc
 
-    from lmcache_vllm.lookup import LookupClient
-    from lmcache_vllm.worker_layerwise import layer_groups
+    from lmcache_vllm.worker.layerwise_step import layer_groups
+    from lmcache_vllm.worker.lookup_server import LookupClient
 
     rig = Rig(tmp_path, budget_chunks=8, device="cuda", use_layerwise=layerwise)
     if via == "socket":  # as with tensor parallelism: the worker in another process

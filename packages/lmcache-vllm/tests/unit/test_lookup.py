@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_vllm import lookup as lookup_mod
 from lmcache_vllm import lookup_wire
-from lmcache_vllm.lookup import (
+from lmcache_vllm.lookup_wire import check_lookup
+from lmcache_vllm.worker import lookup_server as lookup_mod
+from lmcache_vllm.worker.lookup_server import (
     MAX_EXTRA_KEYS,
     MAX_ID_BYTES,
     MAX_SALT_BYTES,
@@ -34,9 +35,8 @@ from lmcache_vllm.lookup import (
     socket_dir,
     socket_path,
 )
-from lmcache_vllm.lookup_wire import check_lookup
 
-LOGGER = "lmcache_vllm.lookup"
+LOGGER = "lmcache_vllm.worker.lookup_server"
 
 
 def prefix_lookup(stored: list[int]) -> Callable[[LookupQuery], int]:

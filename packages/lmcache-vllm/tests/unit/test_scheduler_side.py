@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lmcache_vllm import vllm_v1_adapter as adapter
-from lmcache_vllm.request_keys import RequestKeyer
+from lmcache_vllm.scheduler.request_keys import RequestKeyer
 
 CHUNK, BLOCK = 64, 16
 
@@ -233,7 +233,7 @@ def test_ranks_on_other_nodes_turn_loads_off_with_one_clear_line(caplog):
         instance_id="i",
     )
     from lmcache.config import LMCacheConfig
-    from lmcache_vllm.scheduler import SchedulerSide
+    from lmcache_vllm.scheduler.side import SchedulerSide
 
     side = SchedulerSide(cfg, LMCacheConfig(chunk_size=CHUNK), world_size=4, local_world_size=2)
     side._lookup_client = FakeClient(256)

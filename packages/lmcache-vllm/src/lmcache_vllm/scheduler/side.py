@@ -9,8 +9,8 @@ into a miss for that request, logged once per kind of failure and counted
 Per request:
 
 1. :meth:`SchedulerSide.get_num_new_matched_tokens`: derives the request's key material
-   (:mod:`lmcache_vllm.request_keys`), asks every worker rank in parallel how many leading
-   prompt tokens lmcache holds (:mod:`lmcache_vllm.lookup`; each rank *leases* the chunks it
+   (:mod:`lmcache_vllm.scheduler.request_keys`), asks every worker rank in parallel how many leading
+   prompt tokens lmcache holds (:mod:`lmcache_vllm.worker.lookup_server`; each rank *leases* the chunks it
    found, so they cannot be evicted before the load) and reports the tokens beyond vLLM's own
    prefix-cache hit, ending on a block boundary before the last prompt token (as vLLM's own
    prefix cache does: vLLM computes at least the last token, and never starts mid-block).
@@ -31,7 +31,7 @@ Per request:
    up the lookups of other requests.
 3. :meth:`SchedulerSide.request_finished`: forgets the request. vLLM frees its blocks at once:
    saves are asynchronous, but every worker step first waits until queued saves have copied
-   their pages (:mod:`lmcache_vllm.save_queue`), so a freed block is never rewritten while a
+   their pages (:mod:`lmcache_vllm.worker.save_queue`), so a freed block is never rewritten while a
    save reads it. A chunk completed by drafts accepted in the request's last step is saved
    from the freed blocks by the workers at the start of the next step, before it rewrites any
    page (``LMCacheConnectorMetadata.finished``).
@@ -54,8 +54,8 @@ from lmcache_vllm.connector_metadata import (
     SaveSpec,
     Tracker,
 )
-from lmcache_vllm.lookup import LookupClient, LookupQuery
-from lmcache_vllm.request_keys import RequestKey, RequestKeyer
+from lmcache_vllm.scheduler.request_keys import RequestKey, RequestKeyer
+from lmcache_vllm.worker.lookup_server import LookupClient, LookupQuery
 
 __all__ = ["SchedulerSide", "engine_key"]
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The fused all-layer transfer strategy of
-:class:`~lmcache_vllm.gpu_connector.VLLMPagedConnector`.
+:class:`~lmcache_vllm.transfer.paged_connector.VLLMPagedConnector`.
 
 For ``kv_concat`` and ``mla`` caches whose layers are views of one buffer with a uniform step
 between layers (how vLLM allocates them), all layers are gathered/scattered through one strided
@@ -17,10 +17,10 @@ case: no device sync at all; they go to the device through a persistent pinned b
 otherwise on the device.
 
 :class:`FusedTransfer` is built by the connector from the
-:class:`~lmcache_vllm.paged_cache.PagedKVCache` it checked and its device backend
+:class:`~lmcache_vllm.transfer.paged_cache.PagedKVCache` it checked and its device backend
 (:meth:`FusedTransfer.for_cache`), and holds everything the path needs (views, index ring, copy
 stream); it reads nothing of the connector. Its parts: the staging plan
-(:mod:`lmcache_vllm.fused_plan`), the slot indices (:mod:`lmcache_vllm.slot_indices`), and here
+(:mod:`lmcache_vllm.transfer.fused_plan`), the slot indices (:mod:`lmcache_vllm.transfer.slot_indices`), and here
 the views, the gathers and scatters, the host copies, and the store, load and prefetch paths.
 This module never imports vLLM.
 """
@@ -39,7 +39,7 @@ from lmcache import gpu_ops
 from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 from lmcache.gpu_connector.layer_range import transfer_stream
-from lmcache_vllm.fused_plan import (
+from lmcache_vllm.transfer.fused_plan import (
     HostRun,
     Prefetched,
     PreparedStore,
@@ -49,10 +49,10 @@ from lmcache_vllm.fused_plan import (
     plan_chunks,
     widen_rows,
 )
-from lmcache_vllm.kv_formats import describe
-from lmcache_vllm.paged_cache import PagedKVCache, fuse_layers, wait_for_transfer
-from lmcache_vllm.slot_indices import SlotIndices
-from lmcache_vllm.verified_scatter import ChunkChecksums, LoadIndex
+from lmcache_vllm.transfer.kv_formats import describe
+from lmcache_vllm.transfer.paged_cache import PagedKVCache, fuse_layers, wait_for_transfer
+from lmcache_vllm.transfer.slot_indices import SlotIndices
+from lmcache_vllm.transfer.verified_scatter import ChunkChecksums, LoadIndex
 
 if TYPE_CHECKING:
     from lmcache.devices import DeviceBackend
@@ -234,7 +234,7 @@ class FusedTransfer:
     def _plan(
         self, layers: range, chunks: Sequence[ChunkTransfer], skip: int, piece_bytes: int = -1
     ) -> StagingPlan:
-        """:func:`~lmcache_vllm.fused_plan.plan_chunks` of this cache (``piece_bytes`` -1:
+        """:func:`~lmcache_vllm.transfer.fused_plan.plan_chunks` of this cache (``piece_bytes`` -1:
         :meth:`_piece_bytes`)."""
         return plan_chunks(
             layers,
@@ -247,7 +247,7 @@ class FusedTransfer:
         )
 
     def _fused_indices(self, plan: StagingPlan, transfer: TransferSpec) -> tuple[torch.Tensor, Any]:
-        """:meth:`SlotIndices.build <lmcache_vllm.slot_indices.SlotIndices.build>`: the device
+        """:meth:`SlotIndices.build <lmcache_vllm.transfer.slot_indices.SlotIndices.build>`: the device
         indices of ``plan``'s staging tokens and the check to call before trusting a scatter."""
         return self._indices.build(plan, transfer)
 

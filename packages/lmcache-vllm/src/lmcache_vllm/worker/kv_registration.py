@@ -24,7 +24,7 @@ from lmcache.metadata import LMCacheMetadata
 from lmcache.metrics import LMCacheMetrics
 from lmcache.model_identity import hf_config_dict, model_digest
 from lmcache.tiers import process_cpu_tier
-from lmcache_vllm.cpu_layout_probe import probe_cpu_kv_format
+from lmcache_vllm.transfer.cpu_layout_probe import probe_cpu_kv_format
 from lmcache_vllm.utils import calculate_local_rank_and_world_size
 
 __all__ = [
