@@ -25,8 +25,6 @@ KNOWN_CYCLES: list[frozenset[str]] = [
     # The layerwise helpers name the engine's type (under TYPE_CHECKING) and call its private
     # methods, while the engine imports them (issue 29: pass the callables they need instead).
     frozenset({"lmcache.cache_engine", "lmcache.layerwise"}),
-    # vLLM's in-tree shim and the adapter module name each other (issue 29: one direction only).
-    frozenset({"lmcache_vllm.in_tree", "lmcache_vllm.vllm_v1_adapter"}),
 ]
 
 

@@ -24,7 +24,6 @@ import weakref
 from typing import Any
 
 from lmcache.cache_engine import LMCacheEngine
-from lmcache.config import LMCacheConfig, load_config
 from lmcache_vllm.connector_metadata import (
     LMCacheConnectorMetadata,
     LoadSpec,
@@ -32,6 +31,7 @@ from lmcache_vllm.connector_metadata import (
     SaveSpec,
     WorkerStats,
 )
+from lmcache_vllm.extra_config import extra_config_overrides, load_lmcache_config
 from lmcache_vllm.scheduler.side import SchedulerSide, engine_key
 from lmcache_vllm.utils import calculate_local_rank_and_world_size
 from lmcache_vllm.worker.kv_registration import check_kv_cache_groups
@@ -50,32 +50,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Keys of ``kv_connector_extra_config`` that LMCache users write without the ``lmcache.``
-#: prefix and that vLLM itself reads (its in-tree wrapper picks its CUDA-graph mode from
-#: ``extra_config["use_layerwise"]``).
-UNPREFIXED_KEYS = ("use_layerwise",)
-
-
-def extra_config_overrides(extra: dict[str, Any] | None) -> dict[str, Any]:
-    """lmcache overrides in ``kv_connector_extra_config``: keys prefixed ``lmcache.``, plus the
-    unprefixed :data:`UNPREFIXED_KEYS` (the prefixed form wins when both are given)."""
-    extra = dict(extra or {})
-    out = {k: v for k, v in extra.items() if isinstance(k, str) and k.startswith("lmcache.")}
-    for key in UNPREFIXED_KEYS:
-        if key in extra and f"lmcache.{key}" not in out:
-            out[f"lmcache.{key}"] = extra[key]
-    return out
-
-
-def load_lmcache_config(vllm_config: Any) -> LMCacheConfig:
-    """lmcache config: defaults < ``LMCACHE_CONFIG_FILE`` < ``LMCACHE_*`` env <
-    ``kv_connector_extra_config`` (see :func:`extra_config_overrides`)."""
-    ktc = vllm_config.kv_transfer_config
-    return load_config(
-        overrides=extra_config_overrides(getattr(ktc, "kv_connector_extra_config", None))
-    )
-
 
 _LIVE: list[weakref.ref[LMCacheEngine]] = []
 _LIVE_LOCK = threading.Lock()
