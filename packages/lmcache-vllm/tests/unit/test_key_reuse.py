@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lmcache.keys
-import lmcache_vllm.worker.lookup_server
+import lmcache_vllm.scheduler.lookup_client
 from lmcache.held_hit import HeldHit
 from lmcache.keys import chunk_keys
 from lmcache_vllm.connector_metadata import LoadSpec, ReqMeta
@@ -32,7 +32,7 @@ def via(request, monkeypatch):
     """How the scheduler reaches the worker's lookup server: a direct call (one process, the
     prompt list itself) or its socket (vLLM's multiprocess ranks: the tokens are decoded)."""
     if request.param == "socket":
-        monkeypatch.setattr(lmcache_vllm.worker.lookup_server, "_local_server", lambda path: None)
+        monkeypatch.setattr(lmcache_vllm.scheduler.lookup_client, "local_server", lambda path: None)
     return request.param
 
 

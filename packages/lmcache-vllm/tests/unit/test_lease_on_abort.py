@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 
 from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta
-from lmcache_vllm.worker.lookup_server import LookupClient
+from lmcache_vllm.scheduler.lookup_client import LookupClient
 
 from .test_lease_on_lookup import BLOCK, PROMPT, Rig, _prompt, _request
 
@@ -211,7 +211,8 @@ def test_a_stuck_worker_in_this_process_is_a_miss_then_the_client_backs_off(tmp_
     a while (one log line) instead of taking more threads, then probes again."""
     import tempfile
 
-    from lmcache_vllm.worker.lookup_server import LookupQuery, LookupServer
+    from lmcache_vllm.lookup_wire import LookupQuery
+    from lmcache_vllm.worker.lookup_server import LookupServer
 
     gate = threading.Event()
     calls: list[str] = []

@@ -408,8 +408,8 @@ def test_a_hit_is_copied_to_the_device_at_lookup_and_loads_exactly(tmp_path, via
         pytest.skip("needs a CUDA GPU")
     import gc
 
+    from lmcache_vllm.scheduler.lookup_client import LookupClient
     from lmcache_vllm.worker.layerwise_step import layer_groups
-    from lmcache_vllm.worker.lookup_server import LookupClient
 
     rig = Rig(tmp_path, budget_chunks=8, device="cuda", use_layerwise=layerwise)
     if via == "socket":  # as with tensor parallelism: the worker in another process

@@ -10,7 +10,7 @@ Per request:
 
 1. :meth:`SchedulerSide.get_num_new_matched_tokens`: derives the request's key material
    (:mod:`lmcache_vllm.scheduler.request_keys`), asks every worker rank in parallel how many leading
-   prompt tokens lmcache holds (:mod:`lmcache_vllm.worker.lookup_server`; each rank *leases* the chunks it
+   prompt tokens lmcache holds (:mod:`lmcache_vllm.scheduler.lookup_client`; each rank *leases* the chunks it
    found, so they cannot be evicted before the load) and reports the tokens beyond vLLM's own
    prefix-cache hit, ending on a block boundary before the last prompt token (as vLLM's own
    prefix cache does: vLLM computes at least the last token, and never starts mid-block).
@@ -54,8 +54,9 @@ from lmcache_vllm.connector_metadata import (
     SaveSpec,
     Tracker,
 )
+from lmcache_vllm.lookup_wire import LookupQuery
+from lmcache_vllm.scheduler.lookup_client import LookupClient
 from lmcache_vllm.scheduler.request_keys import RequestKey, RequestKeyer
-from lmcache_vllm.worker.lookup_server import LookupClient, LookupQuery
 
 __all__ = ["SchedulerSide", "engine_key"]
 

@@ -4,6 +4,8 @@
 It runs in every worker process, one per tensor-parallel rank.
 vLLM's forward thread calls ``WorkerSide`` (:mod:`~lmcache_vllm.worker.side`) around each step.
 Saves are copied and committed on the save queue's two background threads.
-The lookup server answers the scheduler's lookups on daemon threads, one per connection.
-Each answered lookup leases its chunks until the load that follows takes them.
+The lookup server (:mod:`~lmcache_vllm.worker.lookup_server`) answers the scheduler's lookups
+on daemon threads, one per connection.
+Each answered lookup leases its chunks (:mod:`~lmcache_vllm.worker.lookup_leases`) until the
+load that follows takes them.
 """

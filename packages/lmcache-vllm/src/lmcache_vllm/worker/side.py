@@ -59,13 +59,14 @@ from lmcache_vllm.connector_metadata import (
     ReqMeta,
     WorkerStats,
 )
+from lmcache_vllm.lookup_wire import LookupQuery
 from lmcache_vllm.transfer.fused_plan import Prefetched
 from lmcache_vllm.transfer.paged_connector import VLLMPagedConnector
 from lmcache_vllm.transfer.transfer_plan import load_outcome, load_plan, skip_mask, slot_mapping
 from lmcache_vllm.worker.kv_registration import build_engine, order_caches
 from lmcache_vllm.worker.layerwise_step import LayerwiseStep, PendingSave, layer_groups
 from lmcache_vllm.worker.lookup_leases import HeldHits, LookedUp
-from lmcache_vllm.worker.lookup_server import LookupQuery, LookupServer
+from lmcache_vllm.worker.lookup_server import LookupServer
 from lmcache_vllm.worker.save_queue import (
     CommitJob,
     CopyJob,
