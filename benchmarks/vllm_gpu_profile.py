@@ -76,6 +76,8 @@ class Profile:
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
         from lmcache_vllm.scheduler.side import SchedulerSide
+        from lmcache_vllm.worker.batched_saves import BatchedSaves
+        from lmcache_vllm.worker.loads import RequestLoads
         from lmcache_vllm.worker.save_queue import SaveQueue
         from lmcache_vllm.worker.side import WorkerSide
 
@@ -93,7 +95,7 @@ class Profile:
         SaveQueue._run_copy = _run_copy  # type: ignore[method-assign]
         SaveQueue._run_commit = staticmethod(_run_commit)  # type: ignore[method-assign]
 
-        for cls in (SchedulerSide, WorkerSide):
+        for cls in (SchedulerSide, WorkerSide, BatchedSaves, RequestLoads):
             for name, fn in list(vars(cls).items()):
                 if name.startswith("__") or not callable(fn):
                     continue

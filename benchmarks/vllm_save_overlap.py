@@ -261,11 +261,11 @@ def main() -> None:
     if args.growth is not None:
         import functools
 
-        from lmcache_vllm.worker import layerwise_step, side
+        from lmcache_vllm.worker import hit_prefetch, layerwise_step
 
         groups = functools.partial(layerwise_step.layer_groups, growth=args.growth)
         layerwise_step.layer_groups = groups  # type: ignore[assignment]
-        side.layer_groups = groups  # type: ignore[assignment]
+        hit_prefetch.layer_groups = groups  # type: ignore[assignment]
     if not torch.cuda.is_available():
         raise SystemExit("vllm_save_overlap.py needs a CUDA GPU")
     print(

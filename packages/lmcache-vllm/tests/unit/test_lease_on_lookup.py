@@ -421,10 +421,10 @@ def test_a_hit_is_copied_to_the_device_at_lookup_and_loads_exactly(tmp_path, via
         promised = rig.scheduler.get_num_new_matched_tokens(_request("ra", a), 0)
         assert promised == PROMPT - BLOCK
         held = rig.worker._held._held["ra"].hit
-        assert held.prefetched is not None and rig.worker._prefetching > 0
+        assert held.prefetched is not None and rig.worker.prefetcher.in_flight_bytes > 0
         groups = [g.stop for g in layer_groups(LAYERS)] if layerwise else []
         assert [stop for stop, _ in held.prefetched.layer_events] == groups
-        rig.worker.prefetch_budget_bytes = rig.worker._prefetching  # b will not fit
+        rig.worker.prefetcher.budget_bytes = rig.worker.prefetcher.in_flight_bytes  # b won't fit
         assert rig.scheduler.get_num_new_matched_tokens(_request("rb", b), 0) == promised
         assert rig.worker._held._held["rb"].hit.prefetched is None
         dst_a, dst_b = rig.blocks(PROMPT), rig.blocks(PROMPT)
@@ -442,6 +442,6 @@ def test_a_hit_is_copied_to_the_device_at_lookup_and_loads_exactly(tmp_path, via
             assert torch.equal(got.view(torch.int32), want[:, :full].view(torch.int32))
         del held
         gc.collect()
-        assert rig.worker._prefetching == 0  # the copy was freed with the lease
+        assert rig.worker.prefetcher.in_flight_bytes == 0  # the copy was freed with the lease
     finally:
         rig.close()

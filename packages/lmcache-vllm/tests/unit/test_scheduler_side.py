@@ -12,6 +12,7 @@ import torch
 
 from lmcache_vllm import vllm_v1_adapter as adapter
 from lmcache_vllm.scheduler.request_keys import RequestKeyer
+from lmcache_vllm.transfer.transfer_plan import save_mask, slot_mapping
 
 CHUNK, BLOCK = 64, 16
 
@@ -195,12 +196,13 @@ def test_finished_requests_are_forgotten():
 def test_slot_mapping_and_mask():
     impl = make_worker()
     req = adapter.ReqMeta("x", list(range(40)), block_ids=[7, 3, 9])
-    slots = impl._slot_mapping(req, 40)
+    slots = slot_mapping(req.block_ids, impl.block_size, 40)
     assert slots[:3].tolist() == [112, 113, 114]
     assert slots[16].item() == 48 and slots[39].item() == 9 * 16 + 7
-    assert impl._slot_mapping(req, 50)[48:].tolist() == [-1, -1]
-    mask = impl._mask(200, 130)
-    assert not mask[:128].any() and mask[128:].all()
+    assert slot_mapping(req.block_ids, impl.block_size, 50)[48:].tolist() == [-1, -1]
+    mask = save_mask(200, 130, impl.chunk_size)
+    assert mask is not None and not mask[:128].any() and mask[128:].all()
+    assert save_mask(200, impl.chunk_size - 1, impl.chunk_size) is None  # no whole chunk skipped
 
 
 def test_load_shortfall_reports_blocks():
@@ -213,7 +215,7 @@ def test_load_shortfall_reports_blocks():
     )
     loaded = torch.zeros(256, dtype=torch.bool)
     loaded[:128] = True  # chunks 0-1 loaded, 2-3 missing
-    impl._record_load(req, loaded)
+    impl._loads.record(req, loaded)
     assert impl.get_block_ids_with_load_errors() == set(range(18, 26))
     assert impl.get_block_ids_with_load_errors() == set()
 
