@@ -21,7 +21,6 @@ KNOWN_LONG: frozenset[str] = frozenset(
         "lmcache-core/src/lmcache/layerwise.py",
         # issue 29: the vLLM adapter's scheduler, worker, lookup server and fused transfers.
         "lmcache-vllm/src/lmcache_vllm/transfer/fused_transfer.py",
-        "lmcache-vllm/src/lmcache_vllm/scheduler/side.py",
         # The real redis-server fixtures (one server, a cluster, a sentinel): not split yet.
         "lmcache-core/src/lmcache/testing/redis_server.py",
     }

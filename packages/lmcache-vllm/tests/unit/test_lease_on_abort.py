@@ -97,7 +97,7 @@ def disk_rig(tmp_path, request, layerwise) -> Iterator[Rig]:
     )
     assert rig.scheduler.async_lookups
     if request.param == "socket":
-        rig.scheduler._lookup_client = LookupClient(
+        rig.scheduler.lookups.client = LookupClient(
             rig.scheduler.engine_key, 1, timeout_s=30.0, in_process=False
         )
     yield rig
@@ -169,7 +169,7 @@ def test_a_lookup_past_its_deadline_is_a_miss_and_its_late_lease_goes_with_the_r
     target, other = _prompt(70), _prompt(71)
     rig.store("w", target)
     rig.store("w2", other)
-    client = rig.scheduler._client()
+    client = rig.scheduler.lookups.get_client()
     client.timeout_s = 0.5  # the deadline of this test's lookups
     if client._direct is not None:
         client._direct.timeout = 0.5

@@ -413,7 +413,7 @@ def test_a_hit_is_copied_to_the_device_at_lookup_and_loads_exactly(tmp_path, via
 
     rig = Rig(tmp_path, budget_chunks=8, device="cuda", use_layerwise=layerwise)
     if via == "socket":  # as with tensor parallelism: the worker in another process
-        rig.scheduler._lookup_client = LookupClient(rig.scheduler.engine_key, 1, in_process=False)
+        rig.scheduler.lookups.client = LookupClient(rig.scheduler.engine_key, 1, in_process=False)
     try:
         a, b = _prompt(50), _prompt(51)
         src_a, src_b = rig.store("wa", a), rig.store("wb", b)

@@ -46,7 +46,7 @@ def make_impl(hit: int, kv_role: str = "kv_both", **lmcache):
         instance_id="i0",
     )
     impl = adapter.LMCacheConnectorV1Impl(cfg, SimpleNamespace(name="SCHEDULER"), None)
-    impl.scheduler._lookup_client = FakeClient(hit)
+    impl.scheduler.lookups.client = FakeClient(hit)
     return impl, cfg
 
 
@@ -117,7 +117,7 @@ def test_partial_hit_loads_beyond_vllm_and_saves_the_rest():
     assert r.save == adapter.SaveSpec(skip=192, end=256)  # 300 computed: 4 full chunks
     # the salt travels as a fixed-size digest of the request's cache_salt, the same one the
     # lookup used (so the worker's keys match the scheduler's promise)
-    (query,) = impl.scheduler._lookup_client.queries
+    (query,) = impl.scheduler.lookups.client.queries
     assert r.salt == query.salt == RequestKeyer(CHUNK).key(req).salt
     assert (
         len(r.salt) == 32 and r.salt != RequestKeyer(CHUNK).key(request("a", [1], salt="t2")).salt
@@ -238,12 +238,12 @@ def test_ranks_on_other_nodes_turn_loads_off_with_one_clear_line(caplog):
     from lmcache_vllm.scheduler.side import SchedulerSide
 
     side = SchedulerSide(cfg, LMCacheConfig(chunk_size=CHUNK), world_size=4, local_world_size=2)
-    side._lookup_client = FakeClient(256)
+    side.lookups.client = FakeClient(256)
     assert side.get_num_new_matched_tokens(request("x", list(range(300))), 0) == 0
     (line,) = [r.getMessage() for r in caplog.records if "span several nodes" in r.getMessage()]
     assert "loads nothing" in line and "only stores" in line
     local = SchedulerSide(cfg, LMCacheConfig(chunk_size=CHUNK), world_size=4, local_world_size=4)
-    local._lookup_client = FakeClient(256)  # control: all ranks on this node
+    local.lookups.client = FakeClient(256)  # control: all ranks on this node
     assert local.get_num_new_matched_tokens(request("x", list(range(300))), 0) == 256
 
 
@@ -253,7 +253,7 @@ def test_lookups_that_may_read_lower_tiers_never_block_the_scheduler():
     import threading
 
     impl, _ = make_impl(hit=192, local_disk="/nonexistent/lmcache", max_local_disk_size=1.0)
-    client = impl.scheduler._lookup_client
+    client = impl.scheduler.lookups.client
     gate = threading.Event()
     answer = client.lookup
     client.lookup = lambda query: (gate.wait(10), answer(query))[1]
@@ -261,7 +261,7 @@ def test_lookups_that_may_read_lower_tiers_never_block_the_scheduler():
     assert impl.get_num_new_matched_tokens(req, 64) is None
     assert impl.get_num_new_matched_tokens(req, 64) is None  # in flight: not asked twice
     gate.set()
-    impl.scheduler._lookups["a"][0].result(10)
+    impl.scheduler.lookups.pending["a"][0].result(10)
     assert impl.get_num_new_matched_tokens(req, 64) == 128  # 192 found, vLLM holds 64
     assert len(client.queries) == 1
     # A request that finishes while its lookup is in flight is forgotten with it.
@@ -269,6 +269,6 @@ def test_lookups_that_may_read_lower_tiers_never_block_the_scheduler():
     other = request("b", list(range(300)))
     assert impl.get_num_new_matched_tokens(other, 0) is None
     impl.request_finished(other, [])
-    assert "b" not in impl.scheduler._lookups
+    assert "b" not in impl.scheduler.lookups.pending
     gate.set()
     impl.scheduler.close()

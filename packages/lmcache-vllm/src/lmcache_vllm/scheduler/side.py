@@ -24,10 +24,10 @@ Per request:
    promise anything (they are leased only once in host memory), which can take longer than a
    scheduler step: the lookup then runs on a background thread and the method returns ``None``
    (vLLM's "ask again later") until the answer is in, so the scheduler never waits for a disk or
-   a network. Such a lookup has a deadline (:data:`ASYNC_LOOKUP_TIMEOUT_S`, past which it is a
+   a network. Such a lookup has a deadline (:data:`~lmcache_vllm.scheduler.prefix_lookups.ASYNC_LOOKUP_TIMEOUT_S`, past which it is a
    miss, counted in ``lookup_timeouts``), on every path: a worker in this process is asked on a
    daemon thread, others over their sockets; the tiers bound each read themselves
-   (``tier_timeout``). Several run at once (:data:`LOOKUP_THREADS`), so a slow one never holds
+   (``tier_timeout``). Several run at once (:data:`~lmcache_vllm.scheduler.prefix_lookups.LOOKUP_THREADS`), so a slow one never holds
    up the lookups of other requests.
 3. :meth:`SchedulerSide.request_finished`: forgets the request. vLLM frees its blocks at once:
    saves are asynchronous, but every worker step first waits until queued saves have copied
@@ -40,9 +40,7 @@ Per request:
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
@@ -55,25 +53,12 @@ from lmcache_vllm.connector_metadata import (
     Tracker,
 )
 from lmcache_vllm.lookup_wire import LookupQuery
-from lmcache_vllm.scheduler.lookup_client import LookupClient
+from lmcache_vllm.scheduler.prefix_lookups import PrefixLookups
 from lmcache_vllm.scheduler.request_keys import RequestKey, RequestKeyer
 
 __all__ = ["SchedulerSide", "engine_key"]
 
 logger = logging.getLogger(__name__)
-
-ASYNC_LOOKUP_TIMEOUT_S = 30.0
-"""Deadline of one asynchronous lookup (disk / remote tiers): it runs off the scheduler thread,
-so it may read a long prompt's chunks from a slow disk or network; a rank that misses it is a
-miss. A hung tier costs less: each of its reads is abandoned after ``tier_timeout`` seconds
-without progress."""
-
-LOOKUP_THREADS = 4
-"""Asynchronous lookups that may run at once (each on its own thread)."""
-
-LATE_GRACE_S = 1.0
-"""An asynchronous lookup still pending this long after its deadline (it waited for a thread)
-is a miss."""
 
 _T = TypeVar("_T")
 
@@ -115,11 +100,9 @@ class SchedulerSide:
         self.engine_key = engine_key(vllm_config)
         self.world_size = world_size
         self._keyer = RequestKeyer(self.chunk_size)
-        self._lookup_client: LookupClient | None = None
         # Lookups that may read the disk / remote tier run off the scheduler thread.
         self.async_lookups = config.local_disk is not None or config.remote_url is not None
-        self._lookups: dict[str, tuple[Future[int], float]] = {}  # and when it is too late
-        self._lookup_pool: ThreadPoolExecutor | None = None
+        self.lookups = PrefixLookups(self.engine_key, world_size, self.async_lookups)
         self._load_specs: dict[str, LoadSpec] = {}
         self._trackers: dict[str, Tracker] = {}
         self._requests: dict[str, Any] = {}
@@ -129,6 +112,7 @@ class SchedulerSide:
         self._failures_logged: set[tuple[str, str]] = set()
         self.stats = {"scheduler_failures": 0, "skipped_requests": 0, "lookup_timeouts": 0}
         self._client_timeouts = 0  # the lookup client's timeouts already reported
+        self._late_lookups = 0  # the lookups' late misses already reported
         self.loads_enabled = self.kv_role != "kv_producer"
         if world_size > local_world_size:
             self.loads_enabled = False
@@ -170,16 +154,6 @@ class SchedulerSide:
             exc_info=exc,
         )
 
-    def _client(self) -> LookupClient:
-        if self._lookup_client is None:
-            self._lookup_client = LookupClient(
-                self.engine_key,
-                self.world_size,
-                timeout_s=ASYNC_LOOKUP_TIMEOUT_S if self.async_lookups else 1.0,
-                direct_deadline=self.async_lookups,  # a worker here may be stuck on a tier
-            )
-        return self._lookup_client
-
     def _key(self, request: Any) -> RequestKey:
         rid = str(request.request_id)
         key = self._keys.get(rid)
@@ -212,28 +186,14 @@ class SchedulerSide:
             tokens = list(tokens)  # vLLM's own is a list already: not copied per lookup
         if key.skip_reason is not None or not tokens:
             return 0
-        pending = self._lookups.pop(rid, None)
-        if pending is not None and not pending[0].done():
-            if time.monotonic() <= pending[1]:
-                self._lookups[rid] = pending
-                return None  # vLLM asks again at a later step
-            # Past its deadline (e.g. queued behind stuck lookups): a miss. Its worker-side
-            # lease, if one comes, goes with the request's end (or load-less first step).
-            self.stats["lookup_timeouts"] += 1
-            hit = 0
-        elif pending is not None:
-            hit = pending[0].result()  # LookupClient.lookup never raises
-        else:
-            query = LookupQuery(
+        hit = self.lookups.ask(
+            rid,
+            lambda: LookupQuery(
                 rid, tokens, key.salt, _extra_for(key.extra_keys, len(tokens), self)
-            )
-            if self.async_lookups:
-                client = self._client()
-                future = self._pool().submit(client.lookup, query)
-                late = getattr(client, "timeout_s", ASYNC_LOOKUP_TIMEOUT_S) + LATE_GRACE_S
-                self._lookups[rid] = (future, time.monotonic() + late)
-                return None
-            hit = self._client().lookup(query)
+            ),
+        )
+        if hit is None:
+            return None  # in flight: vLLM asks again at a later step
         # vLLM must compute >= 1 token, and a hit ends on a block boundary like vLLM's own
         # prefix-cache hits: some CPU attention kernels (AMX) round differently when a prefill
         # starts mid-block, so a mid-block hit could change greedy output versus no cache.
@@ -399,16 +359,8 @@ class SchedulerSide:
             )
         )
 
-    def _pool(self) -> ThreadPoolExecutor:
-        """Threads of asynchronous lookups (each call returns by its deadline: none is held)."""
-        if self._lookup_pool is None:
-            self._lookup_pool = ThreadPoolExecutor(
-                LOOKUP_THREADS, thread_name_prefix="lmcache-lookup"
-            )
-        return self._lookup_pool
-
     def _forget(self, rid: str) -> Tracker | None:
-        self._lookups.pop(rid, None)  # an answer still in flight is dropped unread
+        self.lookups.forget(rid)  # an answer still in flight is dropped unread
         self._requests.pop(rid, None)
         self._load_specs.pop(rid, None)
         self._keys.pop(rid, None)
@@ -454,15 +406,18 @@ class SchedulerSide:
 
     def reset_cache(self) -> bool:
         """Ask every worker rank to drop this engine's chunks."""
-        return self._guard("reset_cache", "*", False, lambda: self._client().clear())
+        return self._guard("reset_cache", "*", False, lambda: self.lookups.get_client().clear())
 
     def take_stats(self) -> dict[str, float] | None:
         """Counters since the last call (``None`` when nothing happened)."""
-        client = self._lookup_client
+        client = self.lookups.client
         if client is not None:  # ranks that missed the client's deadline
             timeouts = int(getattr(client, "timeouts", 0))
             self.stats["lookup_timeouts"] += timeouts - self._client_timeouts
             self._client_timeouts = timeouts
+        late = self.lookups.late  # lookups still pending past their deadline
+        self.stats["lookup_timeouts"] += late - self._late_lookups
+        self._late_lookups = late
         if not any(self.stats.values()):
             return None
         out = {k: float(v) for k, v in self.stats.items()}
@@ -471,13 +426,7 @@ class SchedulerSide:
 
     def close(self) -> None:
         """Close the lookup connections (idempotent)."""
-        self._lookups.clear()
-        if self._lookup_pool is not None:
-            self._lookup_pool.shutdown(wait=False, cancel_futures=True)
-            self._lookup_pool = None
-        if self._lookup_client is not None:
-            self._lookup_client.close()
-            self._lookup_client = None
+        self.lookups.close()
 
 
 def _skips_reading(request: Any) -> bool:
