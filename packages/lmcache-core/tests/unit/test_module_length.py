@@ -19,8 +19,6 @@ KNOWN_LONG: frozenset[str] = frozenset(
         # issue 29: the engine and its layerwise helpers are being separated.
         "lmcache-core/src/lmcache/cache_engine.py",
         "lmcache-core/src/lmcache/layerwise.py",
-        # issue 29: the vLLM adapter's scheduler, worker, lookup server and fused transfers.
-        "lmcache-vllm/src/lmcache_vllm/transfer/fused_transfer.py",
         # The real redis-server fixtures (one server, a cluster, a sentinel): not split yet.
         "lmcache-core/src/lmcache/testing/redis_server.py",
     }
