@@ -41,8 +41,8 @@ import torch
 from lmcache.gpu_connector import TransferSpec
 from lmcache.tiers import reset_process_cpu_tiers
 from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
+from lmcache_vllm.lookup_sockets import engine_key
 from lmcache_vllm.lookup_wire import LookupQuery
-from lmcache_vllm.scheduler.side import engine_key
 from lmcache_vllm.testing import connector_vllm_config
 from lmcache_vllm.transfer.transfer_plan import slot_mapping
 from lmcache_vllm.vllm_v1_adapter import load_lmcache_config

@@ -34,9 +34,9 @@ misses the deadline has its connection closed, so its late reply can never be re
 to a later request.
 
 Where: ``<base>/lmcache-vllm-<uid>-<sha256(engine_key)[:16]>/rank<r>.sock``, with ``base``
-defaulting to :func:`tempfile.gettempdir`. The engine key is
-``kv_transfer_config.engine_id + ":" + vllm_config.instance_id``: the scheduler and the workers of
-one engine share it, two engines (in one process or on one host) never do. The folder is ``0700``
+defaulting to :func:`tempfile.gettempdir`. The engine key (:func:`engine_key`) names one engine
+instance: the scheduler and the workers of one engine share it, two engines (in one process or on
+one host) never do. The folder is ``0700``
 and owned by this user (a server refuses any other folder; a client does not connect through
 one); the socket is ``0600``. The digest keeps the path under the ~108-byte ``AF_UNIX`` limit.
 
@@ -55,12 +55,35 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
-__all__ = ["LOG_EVERY_S", "LogThrottle", "socket_dir", "socket_path", "unsafe_folder"]
+__all__ = [
+    "LOG_EVERY_S",
+    "LogThrottle",
+    "engine_key",
+    "socket_dir",
+    "socket_path",
+    "unsafe_folder",
+]
 
 SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 LOG_EVERY_S = 60.0
 """Repeated errors of one kind that have no per-rank state are logged at most this often."""
+
+
+def engine_key(vllm_config: Any) -> str:
+    """Names one engine instance: ``kv_transfer_config.engine_id``, ``vllm_config.instance_id``
+    and the data-parallel rank.
+
+    Scheduler and workers of one engine share it (the config is pickled to every process); two
+    engines in one process or on one host, or two data-parallel replicas, never do.
+    """
+    ktc = vllm_config.kv_transfer_config
+    engine_id = str(getattr(ktc, "engine_id", None) or "lmcache-default")
+    instance = str(getattr(vllm_config, "instance_id", "") or "")
+    pc = getattr(vllm_config, "parallel_config", None)
+    dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
+    return f"{engine_id}:{instance}:dp{dp_rank}"
 
 
 def socket_dir(engine_key: str, *, base: str | os.PathLike[str] | None = None) -> Path:

@@ -32,8 +32,10 @@ from lmcache_vllm.connector_metadata import (
     WorkerStats,
 )
 from lmcache_vllm.extra_config import extra_config_overrides, load_lmcache_config
-from lmcache_vllm.scheduler.side import SchedulerSide, engine_key
+from lmcache_vllm.lookup_sockets import engine_key
+from lmcache_vllm.scheduler.side import SchedulerSide
 from lmcache_vllm.utils import calculate_local_rank_and_world_size
+from lmcache_vllm.vllm_types import SchedulerOutput, SchedulerRequest
 from lmcache_vllm.worker.kv_registration import check_kv_cache_groups
 from lmcache_vllm.worker.side import WorkerSide
 
@@ -119,12 +121,12 @@ class LMCacheConnectorV1Impl:
     def _metadata(self) -> Any:
         return self._parent._get_connector_metadata() if self._parent is not None else None
 
-    def _sched(self) -> SchedulerSide:
+    def _scheduler_side(self) -> SchedulerSide:
         if self.scheduler is None:
             raise RuntimeError("lmcache: a scheduler-side method was called on a worker connector")
         return self.scheduler
 
-    def _work(self) -> WorkerSide:
+    def _worker_side(self) -> WorkerSide:
         if self.worker is None:
             raise RuntimeError("lmcache: a worker-side method was called on a scheduler connector")
         return self.worker
@@ -136,24 +138,26 @@ class LMCacheConnectorV1Impl:
 
     # ------------------------------------------------------------------ scheduler side
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+    def get_num_new_matched_tokens(
+        self, request: SchedulerRequest, num_computed_tokens: int
+    ) -> int | None:
         """Tokens lmcache loads beyond ``num_computed_tokens`` (vLLM's in-tree wrapper adds the
         ``load_async=False`` flag); ``None`` while a disk / remote lookup is in flight (vLLM
         asks again at a later step)."""
-        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
-        self._sched().update_state_after_alloc(request, num_external_tokens)
+    def update_state_after_alloc(self, request: SchedulerRequest, num_external_tokens: int) -> None:
+        self._scheduler_side().update_state_after_alloc(request, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> LMCacheConnectorMetadata:
-        return self._sched().build_connector_meta(scheduler_output)
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMCacheConnectorMetadata:
+        return self._scheduler_side().build_connector_meta(scheduler_output)
 
     def request_finished(
-        self, request: Any, block_ids: list[int]
+        self, request: SchedulerRequest, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """``(False, None)``: vLLM frees the blocks at once; the workers' saves of them finish
         copying before any later step can rewrite them (see :mod:`lmcache_vllm.worker.save_queue`)."""
-        self._sched().request_finished(request, block_ids)
+        self._scheduler_side().request_finished(request, block_ids)
         return False, None
 
     def get_kv_events(self) -> list[Any]:
@@ -172,7 +176,7 @@ class LMCacheConnectorV1Impl:
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._work().register_kv_caches(kv_caches)
+        self._worker_side().register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, metadata: Any) -> None:
         if self.worker is not None:
@@ -182,19 +186,19 @@ class LMCacheConnectorV1Impl:
         if self.worker is not None:
             self.worker.handle_preemptions(metadata)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._work().start_load_kv()
+    def start_load_kv(self, forward_context: object, **kwargs: Any) -> None:
+        self._worker_side().start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._work().wait_for_layer_load(layer_name)
+        self._worker_side().wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        self._work().save_kv_layer(layer_name)
+        self._worker_side().save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        self._work().wait_for_save()
+        self._worker_side().wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(None, None)``: nothing is held for lmcache (saves fence block reuse instead,

@@ -16,7 +16,8 @@ import torch
 
 from lmcache.tiers import reset_process_cpu_tiers
 from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
-from lmcache_vllm.scheduler.side import SchedulerSide, engine_key
+from lmcache_vllm.lookup_sockets import engine_key
+from lmcache_vllm.scheduler.side import SchedulerSide
 from lmcache_vllm.testing import connector_vllm_config
 from lmcache_vllm.vllm_v1_adapter import load_lmcache_config
 from lmcache_vllm.worker.side import WorkerSide

@@ -225,6 +225,7 @@ def test_lookup_modules_pin_their_names():
     assert lookup_sockets.__all__ == [
         "LOG_EVERY_S",
         "LogThrottle",
+        "engine_key",
         "socket_dir",
         "socket_path",
         "unsafe_folder",

@@ -40,7 +40,7 @@ Per request:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, TypeVar
 
@@ -52,30 +52,27 @@ from lmcache_vllm.connector_metadata import (
     SaveSpec,
     Tracker,
 )
+from lmcache_vllm.lookup_sockets import engine_key
 from lmcache_vllm.lookup_wire import LookupQuery
 from lmcache_vllm.scheduler.prefix_lookups import PrefixLookups
-from lmcache_vllm.scheduler.request_keys import RequestKey, RequestKeyer
+from lmcache_vllm.scheduler.request_keys import (
+    RequestKey,
+    RequestKeyer,
+    chunk_extra_keys,
+    skips_reading,
+)
+from lmcache_vllm.vllm_types import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerRequest,
+)
 
-__all__ = ["SchedulerSide", "engine_key"]
+__all__ = ["SchedulerSide"]
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-def engine_key(vllm_config: Any) -> str:
-    """Names one engine instance: ``kv_transfer_config.engine_id``, ``vllm_config.instance_id``
-    and the data-parallel rank.
-
-    Scheduler and workers of one engine share it (the config is pickled to every process); two
-    engines in one process or on one host, or two data-parallel replicas, never do.
-    """
-    ktc = vllm_config.kv_transfer_config
-    engine_id = str(getattr(ktc, "engine_id", None) or "lmcache-default")
-    instance = str(getattr(vllm_config, "instance_id", "") or "")
-    pc = getattr(vllm_config, "parallel_config", None)
-    dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
-    return f"{engine_id}:{instance}:dp{dp_rank}"
 
 
 class SchedulerSide:
@@ -105,7 +102,7 @@ class SchedulerSide:
         self.lookups = PrefixLookups(self.engine_key, world_size, self.async_lookups)
         self._load_specs: dict[str, LoadSpec] = {}
         self._trackers: dict[str, Tracker] = {}
-        self._requests: dict[str, Any] = {}
+        self._requests: dict[str, SchedulerRequest] = {}
         self._keys: dict[str, RequestKey] = {}
         self._preempted: list[str] = []
         self._finished_saves: list[ReqMeta] = []  # sent with the next step's metadata
@@ -154,7 +151,7 @@ class SchedulerSide:
             exc_info=exc,
         )
 
-    def _key(self, request: Any) -> RequestKey:
+    def _key(self, request: SchedulerRequest) -> RequestKey:
         rid = str(request.request_id)
         key = self._keys.get(rid)
         if key is None:
@@ -167,7 +164,9 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ vLLM entry points
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+    def get_num_new_matched_tokens(
+        self, request: SchedulerRequest, num_computed_tokens: int
+    ) -> int | None:
         """Tokens lmcache can load beyond the ``num_computed_tokens`` vLLM holds (0 on any
         failure); ``None`` while an asynchronous lookup (disk / remote tiers) is in flight."""
         rid = str(getattr(request, "request_id", "?"))
@@ -176,9 +175,9 @@ class SchedulerSide:
             "lookup", rid, miss, lambda: self._matched(request, rid, num_computed_tokens)
         )
 
-    def _matched(self, request: Any, rid: str, num_computed_tokens: int) -> int | None:
+    def _matched(self, request: SchedulerRequest, rid: str, num_computed_tokens: int) -> int | None:
         self._load_specs.pop(rid, None)
-        if not self.loads_enabled or _skips_reading(request):
+        if not self.loads_enabled or skips_reading(request):
             return 0
         key = self._key(request)
         tokens = request.prompt_token_ids or []
@@ -189,7 +188,10 @@ class SchedulerSide:
         hit = self.lookups.ask(
             rid,
             lambda: LookupQuery(
-                rid, tokens, key.salt, _extra_for(key.extra_keys, len(tokens), self)
+                rid,
+                tokens,
+                key.salt,
+                chunk_extra_keys(key.extra_keys, len(tokens), self.chunk_size),
             ),
         )
         if hit is None:
@@ -212,7 +214,7 @@ class SchedulerSide:
         )
         return need
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: SchedulerRequest, num_external_tokens: int) -> None:
         """Remember the request; arm its load when vLLM accepted external tokens."""
         rid = str(getattr(request, "request_id", "?"))
 
@@ -228,7 +230,7 @@ class SchedulerSide:
 
         self._guard("update_state_after_alloc", rid, None, _update)
 
-    def build_connector_meta(self, scheduler_output: Any) -> LMCacheConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMCacheConnectorMetadata:
         """Per-step metadata: loads of newly scheduled requests, saves of computed tokens,
         preempted requests. A request whose part fails is left out (a miss, never an error)."""
         meta = LMCacheConnectorMetadata()
@@ -237,7 +239,7 @@ class SchedulerSide:
                 self._forget(str(req_id))
             meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
             meta.finished, self._finished_saves = self._finished_saves, []
-            num_sched = scheduler_output.num_scheduled_tokens
+            num_scheduled = scheduler_output.num_scheduled_tokens
             new_reqs = list(scheduler_output.scheduled_new_reqs)
             cached = scheduler_output.scheduled_cached_reqs
             cached_ids = list(cached.req_ids)
@@ -249,18 +251,20 @@ class SchedulerSide:
                 "build_connector_meta",
                 str(new.req_id),
                 None,
-                partial(self._new, meta, new, num_sched),
+                partial(self._new, meta, new, num_scheduled),
             )
         for i, req_id in enumerate(cached_ids):
             self._guard(
                 "build_connector_meta",
                 str(req_id),
                 None,
-                partial(self._cached, meta, cached, i, req_id, num_sched),
+                partial(self._cached, meta, cached, i, req_id, num_scheduled),
             )
         return meta
 
-    def _new(self, meta: LMCacheConnectorMetadata, new: Any, num_sched: Any) -> None:
+    def _new(
+        self, meta: LMCacheConnectorMetadata, new: NewRequestData, num_scheduled: Mapping[str, int]
+    ) -> None:
         rid = str(new.req_id)
         prompt = new.prompt_token_ids or []
         if not isinstance(prompt, list):
@@ -268,7 +272,7 @@ class SchedulerSide:
         request = self._requests.get(rid)
         load = self._load_specs.pop(rid, None)
         key = self._key(request) if request is not None else RequestKey(skip_reason="unknown")
-        if key.skip_reason is not None:
+        if key.skip_reason is not None or request is None:
             return
         hit_saved = 0
         if load is not None:
@@ -282,11 +286,16 @@ class SchedulerSide:
             extra_keys=key.extra_keys,
         )
         self._trackers[rid] = tracker
-        computed_end = int(new.num_computed_tokens) + int(num_sched.get(new.req_id, 0))
+        computed_end = int(new.num_computed_tokens) + int(num_scheduled.get(new.req_id, 0))
         self._add(meta, tracker, prompt, computed_end, load, request)
 
     def _cached(
-        self, meta: LMCacheConnectorMetadata, cached: Any, i: int, req_id: Any, num_sched: Any
+        self,
+        meta: LMCacheConnectorMetadata,
+        cached: CachedRequestData,
+        i: int,
+        req_id: str,
+        num_scheduled: Mapping[str, int],
     ) -> None:
         rid = str(req_id)
         tracker = self._trackers.get(rid)
@@ -300,7 +309,7 @@ class SchedulerSide:
         elif new_blocks:
             tracker.block_ids.extend(new_blocks[0])
         load = self._load_specs.pop(rid, None) if resumed else None
-        computed_end = int(cached.num_computed_tokens[i]) + int(num_sched.get(req_id, 0))
+        computed_end = int(cached.num_computed_tokens[i]) + int(num_scheduled.get(req_id, 0))
         self._add(meta, tracker, None, computed_end, load, request)
 
     def _save_spec(self, tracker: Tracker, computed_end: int) -> SaveSpec | None:
@@ -327,7 +336,7 @@ class SchedulerSide:
         prompt: list[int] | None,
         computed_end: int,
         load: LoadSpec | None,
-        request: Any,
+        request: SchedulerRequest,
     ) -> None:
         if load is not None and load.load_end <= load.vllm_cached:
             load = None
@@ -353,7 +362,7 @@ class SchedulerSide:
                 token_ids=tokens,
                 block_ids=list(tracker.block_ids),
                 salt=tracker.salt,
-                extra_keys=_extra_for(tracker.extra_keys, len(tokens), self),
+                extra_keys=chunk_extra_keys(tracker.extra_keys, len(tokens), self.chunk_size),
                 load=load,
                 save=save,
             )
@@ -366,7 +375,7 @@ class SchedulerSide:
         self._keys.pop(rid, None)
         return self._trackers.pop(rid, None)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> None:
+    def request_finished(self, request: SchedulerRequest, block_ids: list[int]) -> None:
         """Forget the request (its worker-side leases go with ``finished_req_ids``), after
         noting the save of chunks that its last step completed with accepted speculative
         tokens (:meth:`_save_finished`)."""
@@ -375,7 +384,7 @@ class SchedulerSide:
         self._guard("request_finished", rid, None, save)
         self._guard("request_finished", rid, None, lambda: self._forget(rid))
 
-    def _save_finished(self, request: Any, rid: str, block_ids: list[int]) -> None:
+    def _save_finished(self, request: SchedulerRequest, rid: str, block_ids: list[int]) -> None:
         """Speculative decoding: the draft tokens that vLLM accepted in a request's last step
         were unknown when that step's save was planned, so a chunk they completed is saved
         now, from ``block_ids`` (vLLM's blocks of the request, freed when this returns). The
@@ -399,7 +408,7 @@ class SchedulerSide:
                 token_ids=tokens,
                 block_ids=[int(b) for b in block_ids],
                 salt=tracker.salt,
-                extra_keys=_extra_for(tracker.extra_keys, len(tokens), self),
+                extra_keys=chunk_extra_keys(tracker.extra_keys, len(tokens), self.chunk_size),
                 save=save,
             )
         )
@@ -427,22 +436,3 @@ class SchedulerSide:
     def close(self) -> None:
         """Close the lookup connections (idempotent)."""
         self.lookups.close()
-
-
-def _skips_reading(request: Any) -> bool:
-    """Whether vLLM must compute every prompt token of ``request`` itself: it asks for prompt
-    logprobs, or sets ``skip_reading_prefix_cache`` (vLLM's own prefix cache skips such requests;
-    vLLM 0.32 also drops a connector's hit for them, 0.26 would take it)."""
-    skip = getattr(request, "skip_reading_prefix_cache", None)
-    if isinstance(skip, bool):
-        return skip
-    params = getattr(request, "sampling_params", None)
-    return params is not None and getattr(params, "prompt_logprobs", None) is not None
-
-
-def _extra_for(extra_keys: dict[int, bytes], num_tokens: int, side: Any) -> dict[int, bytes]:
-    """The extra keys of the chunks that ``num_tokens`` tokens cover."""
-    if not extra_keys:
-        return {}
-    chunks = -(-num_tokens // side.chunk_size)
-    return {i: e for i, e in extra_keys.items() if i < chunks}

@@ -13,7 +13,7 @@ hybrid KV cache manager), whose layers do not share one block table.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,9 @@ from lmcache.model_identity import hf_config_dict, model_digest
 from lmcache.tiers import process_cpu_tier
 from lmcache_vllm.transfer.cpu_layout_probe import probe_cpu_kv_format
 from lmcache_vllm.utils import calculate_local_rank_and_world_size
+
+if TYPE_CHECKING:
+    from lmcache_vllm.vllm_types import KVCacheConfig
 
 __all__ = [
     "build_engine",
@@ -47,7 +50,7 @@ def _layer_index(name: str, fallback: int) -> int:
         return fallback
 
 
-def check_kv_cache_groups(kv_cache_config: Any) -> None:
+def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
     """Refuse an engine whose KV cache has several groups (vLLM's hybrid KV cache manager).
 
     Each group has its own block table; lmcache moves every layer through one (group 0's), so

@@ -128,7 +128,8 @@ class RequestLoads:
                     known_keys=known,
                 )
                 full = torch.zeros(len(req.token_ids), dtype=torch.bool)
-                lo = req.load.vllm_cached // self.chunk_size * self.chunk_size  # type: ignore[union-attr]
+                assert req.load is not None  # load_plan returned a plan
+                lo = req.load.vllm_cached // self.chunk_size * self.chunk_size
                 full[lo : lo + retriever.num_hit_tokens] = True
                 self.record(req, full)
                 return retriever

@@ -339,14 +339,14 @@ class WorkerSide:
         planning of this step's saves."""
         engine = self.lmcache_engine
         layer = self._layer_ids.get(layer_name)
-        lw = self._layerwise
+        step = self._layerwise
         if not self.config.use_layerwise:
             if layer is not None and layer == len(self._layer_ids) - 1:
                 self._batched.queue_plan()
             return
-        if engine is None or layer is None or lw is None:
+        if engine is None or layer is None or step is None:
             return
-        if not lw.saves_started:
+        if not step.saves_started:
             meta = self._meta()
             saves = []
             for req in meta.requests if meta is not None else []:
@@ -362,8 +362,8 @@ class WorkerSide:
                 )  # leases its buffers on the save thread, not in the forward
                 slots = slot_mapping(req.block_ids, self.block_size, len(tokens))
                 saves.append(PendingSave(req, slots, begin, self._save_done(req.salt, tokens)))
-            lw.start_saves(saves)
-        lw.save_layer(layer)
+            step.start_saves(saves)
+        step.save_layer(layer)
 
     def _save_done(self, salt: str, tokens: list[int]) -> Callable[[int | None], None]:
         """Registers a save as unpublished; the callback publishes and counts it."""
