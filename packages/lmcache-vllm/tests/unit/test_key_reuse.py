@@ -87,7 +87,7 @@ def test_the_load_reuses_the_lookups_keys(rig, monkeypatch, via):
     tokens = _prompt(1)
     saved = rig.pages(rig.store("writer", tokens)).clone()
     assert rig.scheduler.get_num_new_matched_tokens(_request("r", tokens), 0) == PROMPT - BLOCK
-    looked = rig.worker._held._held["r"].looked_up
+    looked = rig.worker._leases._held["r"].looked_up
     assert looked is not None and list(looked.tokens) == tokens
     assert isinstance(looked.tokens, np.ndarray if via == "socket" else list)
     spy = Spy(rig, monkeypatch)

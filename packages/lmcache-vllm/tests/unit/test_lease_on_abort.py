@@ -126,7 +126,7 @@ def test_an_abort_at_any_point_leaves_no_lease(disk_rig: Rig) -> None:
     gated.gate.set()
     assert gated.returned.wait(10)
     _no_request_holds_anything(rig)
-    assert rig.worker._held.late == 1
+    assert rig.worker._leases.late == 1
 
     # 2. Aborted once answered (vLLM had not taken the answer yet).
     req = _request("answered", prompts[1])

@@ -69,7 +69,7 @@ from lmcache_vllm.worker.hit_prefetch import HitPrefetcher
 from lmcache_vllm.worker.kv_registration import build_engine, order_caches
 from lmcache_vllm.worker.layerwise_step import LayerwiseStep, PendingSave
 from lmcache_vllm.worker.loads import RequestLoads
-from lmcache_vllm.worker.lookup_leases import HeldHits, LookedUp
+from lmcache_vllm.worker.lookup_leases import LookedUp, LookupLeases
 from lmcache_vllm.worker.lookup_server import LookupServer
 from lmcache_vllm.worker.save_queue import (
     SaveQueue,
@@ -135,7 +135,7 @@ class WorkerSide:
         self._layerwise: LayerwiseStep | None = None  # built with the caches (device)
         self._backend: DeviceBackend = get_backend("cpu")  # the caches' device, once registered
         self._bound: Any = None  # the metadata bind() last ran for
-        self._held = HeldHits()
+        self._leases = LookupLeases()
         self._saves = SaveQueue(f"lmcache-save-rank{rank}")
         self._unpublished = UnpublishedSaves(self.chunk_size)
         self._batched = BatchedSaves(
@@ -214,9 +214,9 @@ class WorkerSide:
 
     def _lookup(self, query: LookupQuery) -> int:
         engine = self.lmcache_engine
-        if engine is None or self._held.has_ended(query.req_id):
+        if engine is None or self._leases.has_ended(query.req_id):
             return 0  # ended meanwhile (a query that waited): nothing to read or lease
-        reused = self._held.reuse(query.req_id, len(query.tokens), query.salt)
+        reused = self._leases.reuse(query.req_id, len(query.tokens), query.salt)
         if reused is not None:
             return reused
         extra = dict(query.extra_keys) or None
@@ -230,7 +230,7 @@ class WorkerSide:
         self.prefetcher.verify(engine, hit)
         # what the hit's keys were made for (a snapshot: the load compares, then reuses them)
         looked = LookedUp.of(query.tokens, query.salt, extra) if hit.num_tokens else None
-        self._held.put(query.req_id, hit, len(query.tokens), query.salt, looked)
+        self._leases.put(query.req_id, hit, len(query.tokens), query.salt, looked)
         return hit.num_tokens
 
     def _clear(self) -> None:
@@ -259,8 +259,8 @@ class WorkerSide:
             return
         if not self.config.use_layerwise:
             self._batched.note(meta)
-        self._held.release(meta.preempted)
-        expired = self._held.expire()
+        self._leases.release(meta.preempted)
+        expired = self._leases.expire()
         if expired:
             with self._counters.lock:
                 self._counters.stats.expired_leases += expired
@@ -314,7 +314,7 @@ class WorkerSide:
             return
         layerwise: list[tuple[ReqMeta, LayerwiseRetrieve, HeldHit | None]] = []
         for req in meta.requests:
-            held, looked = self._held.take(req.req_id)
+            held, looked = self._leases.take(req.req_id)
             if req.load is None:
                 if held is not None:
                     held.release()
@@ -388,14 +388,14 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> None:
         """Release the leases of finished (or aborted) requests, also those a lookup still in
-        flight for one of them takes later (:meth:`HeldHits.finish`); nothing is ever reported
+        flight for one of them takes later (:meth:`LookupLeases.finish`); nothing is ever reported
         as finished sending (blocks are freed at once: :meth:`bind` fences their reuse)."""
-        self._held.finish(finished_req_ids)
+        self._leases.finish(finished_req_ids)
 
     @property
     def held_leases(self) -> int:
         """Requests whose lookup hit this rank holds leased (until their load or end)."""
-        return len(self._held)
+        return len(self._leases)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call."""
@@ -426,7 +426,7 @@ class WorkerSide:
             self._lookup_server = None
         if self._layerwise is not None:
             self._layerwise.abort()
-        self._held.clear()
+        self._leases.clear()
         if self.lmcache_engine is not None:
             self.lmcache_engine.close()  # the process-wide tier keeps the chunks
         self.lmcache_engine = None
