@@ -2,18 +2,19 @@
 """``LMCacheConnectorV1Impl``: lmcache behind vLLM's ``KVConnectorBase_V1`` (vLLM 0.26-0.33).
 
 vLLM builds the connector twice: once in the scheduler (``KVConnectorRole.SCHEDULER``) and once
-in every worker (``KVConnectorRole.WORKER``); with tensor parallelism or the default multiprocess
-executor these live in different processes. vLLM's in-tree ``LMCacheConnectorV1`` (imported
-through ``lmcache.integration.vllm.vllm_v1_adapter``) and our :mod:`lmcache_vllm.connector` both
-construct ``LMCacheConnectorV1Impl(vllm_config, role, parent)`` and delegate to it; it holds a
-:class:`~lmcache_vllm.scheduler.side.SchedulerSide` or a :class:`~lmcache_vllm.worker.side.WorkerSide`
-(read their module docstrings for the per-step lifecycle) over the plain-data metadata of
-:mod:`lmcache_vllm.connector_metadata`.
+in every worker (``KVConnectorRole.WORKER``).
+With tensor parallelism or the default multiprocess executor these live in different processes.
+Two classes construct ``LMCacheConnectorV1Impl(vllm_config, role, parent)`` and delegate to it:
+vLLM's in-tree ``LMCacheConnectorV1`` (imported through
+``lmcache.integration.vllm.vllm_v1_adapter``) and our :mod:`lmcache_vllm.connector`.
+It holds a :class:`~lmcache_vllm.scheduler.side.SchedulerSide` or a
+:class:`~lmcache_vllm.worker.side.WorkerSide`, whose module docstrings walk through each step.
+The two sides talk through the plain data of :mod:`lmcache_vllm.connector_metadata`.
 
 vLLM's in-tree wrapper forwards neither ``reset_cache``, nor the connector stats, nor
-``handle_preemptions``, nor ``shutdown``: when ``parent`` is that wrapper, this class attaches
-them to it (:func:`lmcache_vllm.in_tree.adopt_in_tree_wrapper`), so the in-tree name gets every
-feature.
+``handle_preemptions``, nor ``shutdown``.
+When ``parent`` is that wrapper, this class attaches them to it
+(:func:`lmcache_vllm.in_tree.adopt_in_tree_wrapper`), so the in-tree name gets every feature.
 """
 
 from __future__ import annotations

@@ -21,13 +21,14 @@ by the device default:
 - ``"mla"``: one latent per token, ``[num_blocks, block_size, latent]`` or
   ``[num_blocks, 1, block_size, latent]``.
 
-The connector checks the tensors against the metadata once, describes them as a
-:class:`~lmcache_vllm.transfer.paged_cache.PagedKVCache`, resolves the device backend
-(:func:`lmcache.devices.get_backend`: every stream, event, pinned buffer and host copy goes
-through it) and chooses a *transfer strategy* from them, which it holds as :attr:`transfer` and
-hands every transfer to (``_from``/``_to`` of :class:`LayerRangeConnector`, ``prepare_store``,
-``prefetch``). The strategy gets what it needs as constructor arguments and reads nothing of
-the connector:
+The connector checks the tensors against the metadata once.
+It describes them as a :class:`~lmcache_vllm.transfer.paged_cache.PagedKVCache`.
+It resolves the device backend (:func:`lmcache.devices.get_backend`), through which every
+stream, event, pinned buffer and host copy goes.
+From these it chooses a *transfer strategy*, held as :attr:`transfer`.
+Every transfer goes to the strategy (``_from``/``_to`` of :class:`LayerRangeConnector`,
+``prepare_store``, ``prefetch``).
+The strategy gets what it needs as constructor arguments and reads nothing of the connector:
 
 - ``cpu_kt_v`` on a CPU engine: :class:`~lmcache_vllm.transfer.cpu_block_transfer.CpuBlockTransfer`,
   block by block straight between the cache and the chunk buffers (no staging), all layers per

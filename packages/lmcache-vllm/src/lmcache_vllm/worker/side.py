@@ -266,16 +266,20 @@ class WorkerSide:
                 self._counters.stats.expired_leases += expired
 
     def handle_preemptions(self, meta: Any) -> None:
-        """Preempted requests' blocks are about to be reused: no save may still read them.
-        Saves of requests that finished at the last step (``meta.finished``: chunks completed
-        by accepted speculative tokens) read their freed blocks now, before vLLM may rewrite
-        them (it zeroes or copies blocks next, then loads and computes).
+        """Fence the blocks of preempted requests, which are about to be reused.
 
-        vLLM calls this first thing in every step, before preparing the step's inputs; with
-        nothing preempted or finished it returns at once (the step's :meth:`bind`, right
-        before the forward, orders the step's writes after the saves' reads: fencing here as
-        well would make the step wait for the last step's copies to be enqueued that much
-        earlier)."""
+        No save may still read them afterwards.
+        Saves of requests that finished at the last step (``meta.finished``: chunks completed
+        by accepted speculative tokens) read their freed blocks now.
+        vLLM may rewrite those blocks next: it zeroes or copies blocks, then loads and computes.
+
+        vLLM calls this first thing in every step, before preparing the step's inputs.
+        With nothing preempted or finished it returns at once.
+        The step's :meth:`bind`, right before the forward, orders the step's writes after the
+        saves' reads anyway.
+        Fencing here as well would make the step wait that much earlier for the last step's
+        copies to be enqueued.
+        """
         if isinstance(meta, LMCacheConnectorMetadata):
             if meta.finished:
                 self._batched.save_finished(meta.finished)
