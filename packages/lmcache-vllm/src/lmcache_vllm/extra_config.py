@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmcache.config import LMCacheConfig, load_config
+from lmcache_vllm.vllm_types import VllmConfig
 
 __all__ = ["UNPREFIXED_KEYS", "extra_config_overrides", "load_lmcache_config"]
 
@@ -29,7 +30,7 @@ def extra_config_overrides(extra: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def load_lmcache_config(vllm_config: Any) -> LMCacheConfig:
+def load_lmcache_config(vllm_config: VllmConfig) -> LMCacheConfig:
     """lmcache config: defaults < ``LMCACHE_CONFIG_FILE`` < ``LMCACHE_*`` env <
     ``kv_connector_extra_config`` (see :func:`extra_config_overrides`)."""
     ktc = vllm_config.kv_transfer_config

@@ -55,7 +55,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lmcache_vllm.vllm_types import VllmConfig
 
 __all__ = [
     "LOG_EVERY_S",
@@ -71,7 +74,7 @@ LOG_EVERY_S = 60.0
 """Repeated errors of one kind that have no per-rank state are logged at most this often."""
 
 
-def engine_key(vllm_config: Any) -> str:
+def engine_key(vllm_config: VllmConfig) -> str:
     """Names one engine instance: ``kv_transfer_config.engine_id``, ``vllm_config.instance_id``
     and the data-parallel rank.
 

@@ -18,12 +18,15 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 __all__ = [
+    "CacheConfig",
     "CachedRequestData",
     "KVCacheConfig",
     "KVCacheGroup",
     "NewRequestData",
+    "ParallelConfig",
     "SchedulerOutput",
     "SchedulerRequest",
+    "VllmConfig",
 ]
 
 
@@ -108,3 +111,37 @@ class KVCacheConfig(Protocol):
 
     @property
     def kv_cache_groups(self) -> Sequence[KVCacheGroup]: ...
+
+
+class CacheConfig(Protocol):
+    """``VllmConfig.cache_config``."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV cache block."""
+        ...
+
+
+class ParallelConfig(Protocol):
+    """``VllmConfig.parallel_config`` (``pipeline_parallel_size``, ``rank`` and
+    ``data_parallel_rank`` are read with defaults)."""
+
+    @property
+    def tensor_parallel_size(self) -> int: ...
+
+
+class VllmConfig(Protocol):
+    """vLLM's ``vllm.config.VllmConfig``, as the connector's two sides read it.
+
+    ``kv_transfer_config`` is ``None`` without a connector, so its fields are read with
+    ``getattr`` and defaults.
+    """
+
+    @property
+    def cache_config(self) -> CacheConfig: ...
+
+    @property
+    def parallel_config(self) -> ParallelConfig: ...
+
+    @property
+    def kv_transfer_config(self) -> object: ...

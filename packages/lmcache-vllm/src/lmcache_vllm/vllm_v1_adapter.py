@@ -36,7 +36,7 @@ from lmcache_vllm.extra_config import extra_config_overrides, load_lmcache_confi
 from lmcache_vllm.lookup_sockets import engine_key
 from lmcache_vllm.scheduler.side import SchedulerSide
 from lmcache_vllm.utils import calculate_local_rank_and_world_size
-from lmcache_vllm.vllm_types import SchedulerOutput, SchedulerRequest
+from lmcache_vllm.vllm_types import SchedulerOutput, SchedulerRequest, VllmConfig
 from lmcache_vllm.worker.kv_registration import check_kv_cache_groups
 from lmcache_vllm.worker.side import WorkerSide
 
@@ -82,7 +82,7 @@ class LMCacheConnectorV1Impl:
             connector metadata).
     """
 
-    def __init__(self, vllm_config: Any, role: Any, parent: Any) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: object, parent: Any) -> None:
         self._parent = parent
         self._role_name = getattr(role, "name", str(role))
         self.is_scheduler = self._role_name == "SCHEDULER"

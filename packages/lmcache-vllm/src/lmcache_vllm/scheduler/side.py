@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from lmcache.config import LMCacheConfig
 from lmcache_vllm.connector_metadata import (
@@ -66,6 +66,7 @@ from lmcache_vllm.vllm_types import (
     NewRequestData,
     SchedulerOutput,
     SchedulerRequest,
+    VllmConfig,
 )
 
 __all__ = ["SchedulerSide"]
@@ -87,7 +88,11 @@ class SchedulerSide:
     """
 
     def __init__(
-        self, vllm_config: Any, config: LMCacheConfig, world_size: int, local_world_size: int
+        self,
+        vllm_config: VllmConfig,
+        config: LMCacheConfig,
+        world_size: int,
+        local_world_size: int,
     ) -> None:
         ktc = vllm_config.kv_transfer_config
         self.kv_role: str = getattr(ktc, "kv_role", None) or "kv_both"

@@ -63,6 +63,7 @@ from lmcache_vllm.connector_metadata import (
 )
 from lmcache_vllm.lookup_wire import LookupQuery
 from lmcache_vllm.transfer.transfer_plan import save_mask, slot_mapping
+from lmcache_vllm.vllm_types import VllmConfig
 from lmcache_vllm.worker.batched_saves import BatchedSaves
 from lmcache_vllm.worker.counters import WorkerCounters
 from lmcache_vllm.worker.hit_prefetch import HitPrefetcher
@@ -108,7 +109,7 @@ class WorkerSide:
 
     def __init__(
         self,
-        vllm_config: Any,
+        vllm_config: VllmConfig,
         config: LMCacheConfig,
         engine_key: str,
         world_size: int,
