@@ -12,9 +12,9 @@ processes). The lifecycle:
    lookup in flight at once: lookups from several threads never wait for each other). A lookup
    sends the :class:`LookupQuery` to *every* rank at once, then collects the replies until *one*
    overall deadline (``timeout_s`` from the start of the call). The answer is the minimum over
-   the ranks: a token counts only when every rank holds its shard. The worker leases the hit chunks under
-   ``req_id`` when it answers, so the load that follows finds them. A rank whose server lives in
-   the client's own process (vLLM's scheduler and a single worker share the engine-core
+   the ranks: a token counts only when every rank holds its shard. The worker leases the hit chunks
+   under ``req_id`` when it answers, so the load that follows finds them. A rank whose server lives
+   in the client's own process (vLLM's scheduler and a single worker share the engine-core
    process) is called directly: same answer, no socket round trip; when every rank is, no frame
    is packed either (the query's limits are checked, its token ids where their keys are made).
    With ``direct_deadline`` such a call runs on a daemon thread and is waited for until the

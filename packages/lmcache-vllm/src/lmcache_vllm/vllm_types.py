@@ -84,7 +84,7 @@ class CachedRequestData(Protocol):
 
 
 class SchedulerOutput(Protocol):
-    """vLLM's ``vllm.v1.core.sched.output.SchedulerOutput``, as ``build_connector_meta`` reads it."""
+    """vLLM's ``SchedulerOutput`` (``vllm.v1.core.sched.output``), as the scheduler reads it."""
 
     @property
     def finished_req_ids(self) -> Collection[str]: ...

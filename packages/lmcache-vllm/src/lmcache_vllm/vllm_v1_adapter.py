@@ -157,7 +157,8 @@ class LMCacheConnectorV1Impl:
         self, request: SchedulerRequest, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """``(False, None)``: vLLM frees the blocks at once; the workers' saves of them finish
-        copying before any later step can rewrite them (see :mod:`lmcache_vllm.worker.save_queue`)."""
+        copying before any later step can rewrite them (see
+        :mod:`lmcache_vllm.worker.save_queue`)."""
         self._scheduler_side().request_finished(request, block_ids)
         return False, None
 

@@ -10,9 +10,9 @@ Per request:
 
 1. :meth:`SchedulerSide.get_num_new_matched_tokens`: derives the request's key material
    (:mod:`lmcache_vllm.scheduler.request_keys`), asks every worker rank in parallel how many leading
-   prompt tokens lmcache holds (:mod:`lmcache_vllm.scheduler.lookup_client`; each rank *leases* the chunks it
-   found, so they cannot be evicted before the load) and reports the tokens beyond vLLM's own
-   prefix-cache hit, ending on a block boundary before the last prompt token (as vLLM's own
+   prompt tokens lmcache holds (:mod:`lmcache_vllm.scheduler.lookup_client`; each rank *leases* the
+   chunks it found, so they cannot be evicted before the load) and reports the tokens beyond vLLM's
+   own prefix-cache hit, ending on a block boundary before the last prompt token (as vLLM's own
    prefix cache does: vLLM computes at least the last token, and never starts mid-block).
 2. :meth:`SchedulerSide.update_state_after_alloc` then :meth:`SchedulerSide.build_connector_meta`:
    records what to load (``[vllm_cached, load_end)``) and what to save (tokens computed this
@@ -24,11 +24,12 @@ Per request:
    promise anything (they are leased only once in host memory), which can take longer than a
    scheduler step: the lookup then runs on a background thread and the method returns ``None``
    (vLLM's "ask again later") until the answer is in, so the scheduler never waits for a disk or
-   a network. Such a lookup has a deadline (:data:`~lmcache_vllm.scheduler.prefix_lookups.ASYNC_LOOKUP_TIMEOUT_S`, past which it is a
-   miss, counted in ``lookup_timeouts``), on every path: a worker in this process is asked on a
-   daemon thread, others over their sockets; the tiers bound each read themselves
-   (``tier_timeout``). Several run at once (:data:`~lmcache_vllm.scheduler.prefix_lookups.LOOKUP_THREADS`), so a slow one never holds
-   up the lookups of other requests.
+   a network. Such a lookup has a deadline
+   (:data:`~lmcache_vllm.scheduler.prefix_lookups.ASYNC_LOOKUP_TIMEOUT_S`, past which it is a miss,
+   counted in ``lookup_timeouts``), on every path: a worker in this process is asked on a daemon
+   thread, others over their sockets; the tiers bound each read themselves (``tier_timeout``).
+   Several run at once (:data:`~lmcache_vllm.scheduler.prefix_lookups.LOOKUP_THREADS`), so a slow
+   one never holds up the lookups of other requests.
 3. :meth:`SchedulerSide.request_finished`: forgets the request. vLLM frees its blocks at once:
    saves are asynchronous, but every worker step first waits until queued saves have copied
    their pages (:mod:`lmcache_vllm.worker.save_queue`), so a freed block is never rewritten while a

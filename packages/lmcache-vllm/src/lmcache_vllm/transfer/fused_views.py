@@ -181,8 +181,9 @@ class FusedViews:
         )
 
     def _fused_indices(self, plan: StagingPlan, transfer: TransferSpec) -> tuple[torch.Tensor, Any]:
-        """:meth:`SlotIndices.build <lmcache_vllm.transfer.slot_indices.SlotIndices.build>`: the device
-        indices of ``plan``'s staging tokens and the check to call before trusting a scatter."""
+        """:meth:`SlotIndices.build <lmcache_vllm.transfer.slot_indices.SlotIndices.build>`: the
+        device indices of ``plan``'s staging tokens and the check to call before trusting a
+        scatter."""
         return self._indices.build(plan, transfer)
 
     def _op_views(

@@ -1,13 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the transfer strategies of :class:`~lmcache_vllm.transfer.paged_connector.VLLMPagedConnector` share.
+"""What the transfer strategies of
+:class:`~lmcache_vllm.transfer.paged_connector.VLLMPagedConnector` share.
 
 - :class:`PagedKVCache`: the engine's paged KV cache as the connector found and checked it (the
   per-layer views, their block format, block size, heads and dtype), handed to a strategy at
   construction. A strategy reads nothing else of the connector.
 - :class:`PagedTransfer`: what a strategy does, "layers ``range(a, b)`` of these chunks" in each
   direction. The strategies are :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer` (all
-  layers per op, chunk-major staging), :class:`~lmcache_vllm.transfer.cpu_block_transfer.CpuBlockTransfer`
-  (vLLM's CPU block formats, block by block) and
+  layers per op, chunk-major staging),
+  :class:`~lmcache_vllm.transfer.cpu_block_transfer.CpuBlockTransfer` (vLLM's CPU block formats,
+  block by block) and
   :class:`~lmcache_vllm.transfer.token_transfer.TokenTransfer` (layer by layer, token by token: the
   reference).
 - :func:`fuse_layers`: all layers as one strided view when they are views of one buffer.

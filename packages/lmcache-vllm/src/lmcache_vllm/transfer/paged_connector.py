@@ -17,7 +17,8 @@ by the device default:
   followed by V ``[block_size, head_size]``. The ``[b, h]`` run must be contiguous.
 - ``"cpu_amx"`` (vLLM's CPU attention ``amx`` kernels: bf16 on CPUs with AMX, block size a
   multiple of 32): per ``(block, head)`` K then V as above, each VNNI-packed in pairs
-  (:func:`lmcache_vllm.transfer.kv_formats.amx_views`); moved token by token through a staging buffer.
+  (:func:`lmcache_vllm.transfer.kv_formats.amx_views`); moved token by token through a staging
+  buffer.
 - ``"mla"``: one latent per token, ``[num_blocks, block_size, latent]`` or
   ``[num_blocks, 1, block_size, latent]``.
 
@@ -35,11 +36,11 @@ The strategy gets what it needs as constructor arguments and reads nothing of th
   op when they share a buffer.
 - ``kv_concat`` and ``mla`` (CPU, or a device with ``config.gpu_staging_buffer``) whose layers
   are views of one buffer with a uniform step (how vLLM allocates them), or share strides:
-  :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer`, one strided all-layer view (or one view
-  per layer), chunk-major staging, merged copy-engine DMAs, device copies ahead of a load.
+  :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer`, one strided all-layer view (or one
+  view per layer), chunk-major staging, merged copy-engine DMAs, device copies ahead of a load.
 - anything else (layers that differ in strides, ``cpu_amx``, ``cpu_kt_v`` on a GPU, no device
-  staging): :class:`~lmcache_vllm.transfer.token_transfer.TokenTransfer`, layer by layer, token by token
-  (:mod:`lmcache_vllm.transfer.kv_formats`), through a staging buffer.
+  staging): :class:`~lmcache_vllm.transfer.token_transfer.TokenTransfer`, layer by layer, token by
+  token (:mod:`lmcache_vllm.transfer.kv_formats`), through a staging buffer.
 
 This module never imports vLLM.
 """
@@ -253,7 +254,8 @@ class VLLMPagedConnector(LayerRangeConnector):
     ) -> Prefetched | None:
         """Copy whole chunks (all layers) to a device staging buffer now, on ``stream``, for a
         later load (``TransferSpec.staged``); ``None`` unless the fused path on CUDA. See
-        :meth:`FusedTransfer.prefetch <lmcache_vllm.transfer.fused_transfer.FusedTransfer.prefetch>`."""
+        :meth:`FusedTransfer.prefetch
+        <lmcache_vllm.transfer.fused_transfer.FusedTransfer.prefetch>`."""
         fused = self.transfer
         if not isinstance(fused, FusedTransfer):
             return None

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The slot indices of :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer`'s gathers and scatters.
+"""The slot indices of :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer`'s gathers and
+scatters.
 
 :class:`SlotIndices` turns a call's slot mapping into the device index tensor of its staging
 tokens (slots, or ``(block, offset)`` pairs), checking every slot: a host slot mapping on the host

@@ -2,8 +2,8 @@
 """The layer-by-layer, token-by-token transfer strategy of
 :class:`~lmcache_vllm.transfer.paged_connector.VLLMPagedConnector`.
 
-Every block format of :mod:`lmcache_vllm.transfer.kv_formats` works here: each layer's moved tokens are
-gathered (scattered) by ``(block, offset)`` through the format's token-level reference, via a
+Every block format of :mod:`lmcache_vllm.transfer.kv_formats` works here: each layer's moved tokens
+are gathered (scattered) by ``(block, offset)`` through the format's token-level reference, via a
 ``[layers, tokens, kv_width]`` staging tensor (on the cache's device with
 ``config.gpu_staging_buffer``, else on the host). The connector uses it where no faster path
 applies (layers in separate buffers with different strides, ``cpu_amx``, ``cpu_kt_v`` on a GPU,

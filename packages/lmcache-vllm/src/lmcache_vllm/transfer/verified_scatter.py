@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Chunk checksums on the device for the fused path: sums on store, verified scatters on load.
 
-:class:`ChunkChecksums` belongs to one :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer` on a
-device with streams. It uses the ``torch.ops.lmcache`` kernels through :mod:`lmcache.gpu_ops`
+:class:`ChunkChecksums` belongs to one :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer`
+on a device with streams. It uses the ``torch.ops.lmcache`` kernels through :mod:`lmcache.gpu_ops`
 (the pure-torch reference where the extension is absent).
 
 - **Store.** Once a call's gathers have filled the chunk-major staging buffer, one

@@ -5,9 +5,9 @@
 reads the geometry from the real tensors (shape and dtype, never assumed) and every
 configuration fact that changes the KV bytes (model, revision, quantization, KV-cache dtype,
 tensor-parallel rank, and a digest of the effective model configuration and of the weights,
-:func:`lmcache.model_identity.model_digest`) into :class:`~lmcache.metadata.LMCacheMetadata`, whose fingerprint seeds
-every chunk key. :func:`check_kv_cache_groups` refuses a KV cache of several groups (vLLM's
-hybrid KV cache manager), whose layers do not share one block table.
+:func:`lmcache.model_identity.model_digest`) into :class:`~lmcache.metadata.LMCacheMetadata`, whose
+fingerprint seeds every chunk key. :func:`check_kv_cache_groups` refuses a KV cache of several
+groups (vLLM's hybrid KV cache manager), whose layers do not share one block table.
 """
 
 from __future__ import annotations

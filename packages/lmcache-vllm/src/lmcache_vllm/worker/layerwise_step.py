@@ -12,8 +12,8 @@ With ``use_layerwise``:
   stream, recording an event per group, so later layers copy while earlier ones compute;
   ``wait_for_layer_load(i)`` only makes the compute stream wait for layer ``i``'s group (no host
   wait). A hit's host-to-device copy normally started at its lookup, on :attr:`copy_stream`, in
-  the same groups (``VLLMPagedConnector.prefetch``); the load stream then only scatters, each group as
-  soon as its copy is in. On the CPU the copies run in ``start_load_kv``.
+  the same groups (``VLLMPagedConnector.prefetch``); the load stream then only scatters, each group
+  as soon as its copy is in. On the CPU the copies run in ``start_load_kv``.
 - **Saves are queued.** ``save_kv_layer(i)`` records an event after layer ``i``'s compute (CUDA)
   and queues the copy of that layer on the :class:`~lmcache_vllm.worker.save_queue.SaveQueue`'s copy
   thread, returning at once. On CUDA the copy thread only *enqueues* it (on a store stream that

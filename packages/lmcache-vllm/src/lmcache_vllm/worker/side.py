@@ -14,17 +14,17 @@ One per worker process (vLLM keeps one worker-side connector per process). Per s
    blocks and copies chunks of requests that finished at the last step whose tokens became
    known only after it (speculative decoding), before vLLM rewrites their freed blocks.
 2. :meth:`WorkerSide.start_load_kv`: loads every request's hit from the chunks this rank leased
-   at lookup (:mod:`lmcache_vllm.worker.lookup_leases`). On CUDA the copies are enqueued on a load stream
-   and the compute stream waits for them on the device (batched: all layers at once;
+   at lookup (:mod:`lmcache_vllm.worker.lookup_leases`). On CUDA the copies are enqueued on a load
+   stream and the compute stream waits for them on the device (batched: all layers at once;
    layerwise: in layer groups, :meth:`WorkerSide.wait_for_layer_load` orders each layer's
    compute after its group, :mod:`lmcache_vllm.worker.layerwise_step`); the host waits for them only
    in ``wait_for_save``, after the forward is enqueued. On the CPU, one synchronous
    ``LMCacheEngine.retrieve`` per request. Tokens that did not arrive make their blocks a load
    error (vLLM's ``get_block_ids_with_load_errors``).
 3. :meth:`WorkerSide.wait_for_save`: queues the step's one copy of every planned save on the
-   :class:`~lmcache_vllm.worker.save_queue.SaveQueue` and returns at once (on CUDA the copy is enqueued
-   on a store stream after an event recorded after the step's compute, and the commit thread
-   waits for it to reach the host, then publishes each request's chunks once vLLM's thread is
+   :class:`~lmcache_vllm.worker.save_queue.SaveQueue` and returns at once (on CUDA the copy is
+   enqueued on a store stream after an event recorded after the step's compute, and the commit
+   thread waits for it to reach the host, then publishes each request's chunks once vLLM's thread is
    likely waiting on the GPU: :class:`~lmcache_vllm.worker.save_queue.QuietGate`); layerwise,
    :meth:`WorkerSide.save_kv_layer` queues each layer's copy the same way.
 4. :meth:`WorkerSide.get_finished`: releases finished requests' leases; nothing is held for
