@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmcache.cache_engine import LMCacheEngine
 from lmcache_vllm.connector_metadata import (
@@ -39,6 +39,9 @@ from lmcache_vllm.utils import calculate_local_rank_and_world_size
 from lmcache_vllm.vllm_types import SchedulerOutput, SchedulerRequest, VllmConfig
 from lmcache_vllm.worker.kv_registration import check_kv_cache_groups
 from lmcache_vllm.worker.side import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "LMCacheConnectorMetadata",
@@ -119,7 +122,7 @@ class LMCacheConnectorV1Impl:
             self.config.use_layerwise,
         )
 
-    def _metadata(self) -> Any:
+    def _metadata(self) -> object:
         return self._parent._get_connector_metadata() if self._parent is not None else None
 
     def _scheduler_side(self) -> SchedulerSide:
@@ -177,14 +180,14 @@ class LMCacheConnectorV1Impl:
 
     # ------------------------------------------------------------------ worker side
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker_side().register_kv_caches(kv_caches)
 
-    def bind_connector_metadata(self, metadata: Any) -> None:
+    def bind_connector_metadata(self, metadata: object) -> None:
         if self.worker is not None:
             self.worker.bind(metadata)
 
-    def handle_preemptions(self, metadata: Any) -> None:
+    def handle_preemptions(self, metadata: object) -> None:
         if self.worker is not None:
             self.worker.handle_preemptions(metadata)
 

@@ -48,7 +48,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -114,7 +114,7 @@ class WorkerSide:
         engine_key: str,
         world_size: int,
         rank: int,
-        get_metadata: Callable[[], Any],
+        get_metadata: Callable[[], object],
         on_engine: Callable[[LMCacheEngine], None] | None = None,
     ) -> None:
         self._vllm_config = vllm_config
@@ -135,7 +135,7 @@ class WorkerSide:
         self._xfer_lock = threading.Lock()
         self._layerwise: LayerwiseStep | None = None  # built with the caches (device)
         self._backend: DeviceBackend = get_backend("cpu")  # the caches' device, once registered
-        self._bound: Any = None  # the metadata bind() last ran for
+        self._bound: object = None  # the metadata bind() last ran for
         self._leases = LookupLeases()
         self._saves = SaveQueue(f"lmcache-save-rank{rank}")
         self._unpublished = UnpublishedSaves(self.chunk_size)
@@ -247,7 +247,7 @@ class WorkerSide:
         meta = self._get_metadata()
         return meta if isinstance(meta, LMCacheConnectorMetadata) else None
 
-    def bind(self, meta: Any) -> None:
+    def bind(self, meta: object) -> None:
         """Start of a step, before anything writes vLLM's pages: finish the previous step's
         layerwise work, wait until queued saves have copied their pages (vLLM may reuse freed or
         preempted blocks from now on), release leases of preempted requests and stale ones."""
@@ -266,7 +266,7 @@ class WorkerSide:
             with self._counters.lock:
                 self._counters.stats.expired_leases += expired
 
-    def handle_preemptions(self, meta: Any) -> None:
+    def handle_preemptions(self, meta: object) -> None:
         """Fence the blocks of preempted requests, which are about to be reused.
 
         No save may still read them afterwards.
