@@ -206,7 +206,7 @@ def main() -> None:
     geometry["intermediate_size"] = 512 if args.smoke else 8192 if args.layers == 8 else 4096
     vocab = geometry["vocab_size"]
     if args.sync_saves:
-        from lmcache_vllm.save_queue import SaveQueue
+        from lmcache_vllm.worker.save_queue import SaveQueue
 
         def _inline(self: SaveQueue, req_id: str, copy: Any, fence: Any = None) -> None:
             commit = copy()

@@ -75,9 +75,11 @@ class Profile:
             return
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-        from lmcache_vllm.save_queue import SaveQueue
-        from lmcache_vllm.scheduler import SchedulerSide
-        from lmcache_vllm.worker import WorkerSide
+        from lmcache_vllm.scheduler.side import SchedulerSide
+        from lmcache_vllm.worker.batched_saves import BatchedSaves
+        from lmcache_vllm.worker.loads import RequestLoads
+        from lmcache_vllm.worker.save_queue import SaveQueue
+        from lmcache_vllm.worker.side import WorkerSide
 
         copy, commit = SaveQueue._run_copy, SaveQueue._run_commit
 
@@ -93,7 +95,7 @@ class Profile:
         SaveQueue._run_copy = _run_copy  # type: ignore[method-assign]
         SaveQueue._run_commit = staticmethod(_run_commit)  # type: ignore[method-assign]
 
-        for cls in (SchedulerSide, WorkerSide):
+        for cls in (SchedulerSide, WorkerSide, BatchedSaves, RequestLoads):
             for name, fn in list(vars(cls).items()):
                 if name.startswith("__") or not callable(fn):
                     continue
@@ -102,7 +104,7 @@ class Profile:
             import importlib
 
             from lmcache.layerwise import StagedStore
-            from lmcache_vllm.save_queue import QuietGate
+            from lmcache_vllm.worker.save_queue import QuietGate
 
             # the parts of a commit job: asleep (copy, gate) or publishing
             StagedStore.commit = self._span("publish", StagedStore.commit)  # type: ignore[method-assign]

@@ -221,7 +221,7 @@ def parts(
     ABBA order. Prints per engine the median tok/s per variant and the time vLLM's thread spent
     in lmcache's hooks per batch, then every variant against ``off`` over pairs taken in the
     same cycle of the same engine."""
-    from lmcache_vllm.scheduler import SchedulerSide
+    from lmcache_vllm.scheduler.side import SchedulerSide
     from lmcache_vllm.testing import make_prompt
 
     switch = {"saves": True, "lookups": True}

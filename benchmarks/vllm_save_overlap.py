@@ -2,7 +2,7 @@
 """How long a save holds vLLM's step: the connector's worker side on a CUDA GPU.
 
 Run on a CUDA machine (``python benchmarks/vllm_save_overlap.py``). Drives
-``lmcache_vllm.worker.WorkerSide`` exactly as vLLM does (``bind_connector_metadata``,
+``lmcache_vllm.worker.side.WorkerSide`` exactly as vLLM does (``bind_connector_metadata``,
 ``start_load_kv``, the per-layer hooks, ``wait_for_save``) over caches in vLLM's CUDA layout,
 Llama-8B geometry (32 layers, 8 KV heads of 128, bf16, 16-token pages, shuffled), with the
 6 GiB host pool pinned before timing. Per request size it prints, medians over ``--reps``:
@@ -41,12 +41,12 @@ import torch
 from lmcache.gpu_connector import TransferSpec
 from lmcache.tiers import reset_process_cpu_tiers
 from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
-from lmcache_vllm.lookup import LookupQuery
-from lmcache_vllm.scheduler import engine_key
+from lmcache_vllm.lookup_sockets import engine_key
+from lmcache_vllm.lookup_wire import LookupQuery
 from lmcache_vllm.testing import connector_vllm_config
-from lmcache_vllm.transfer_plan import slot_mapping
+from lmcache_vllm.transfer.transfer_plan import slot_mapping
 from lmcache_vllm.vllm_v1_adapter import load_lmcache_config
-from lmcache_vllm.worker import WorkerSide
+from lmcache_vllm.worker.side import WorkerSide
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _common import event_ms, median
@@ -261,11 +261,11 @@ def main() -> None:
     if args.growth is not None:
         import functools
 
-        from lmcache_vllm import worker, worker_layerwise
+        from lmcache_vllm.worker import hit_prefetch, layerwise_step
 
-        groups = functools.partial(worker_layerwise.layer_groups, growth=args.growth)
-        worker_layerwise.layer_groups = groups  # type: ignore[assignment]
-        worker.layer_groups = groups  # type: ignore[assignment]
+        groups = functools.partial(layerwise_step.layer_groups, growth=args.growth)
+        layerwise_step.layer_groups = groups  # type: ignore[assignment]
+        hit_prefetch.layer_groups = groups  # type: ignore[assignment]
     if not torch.cuda.is_available():
         raise SystemExit("vllm_save_overlap.py needs a CUDA GPU")
     print(

@@ -61,7 +61,7 @@ class ReqMeta:
         token_ids: The request's tokens up to the end of what is loaded or saved.
         block_ids: The request's KV block ids (first KV-cache group), in token order.
         salt: Key salt derived from the request (cache salt, LoRA adapter), see
-            :mod:`lmcache_vllm.request_keys`.
+            :mod:`lmcache_vllm.scheduler.request_keys`.
         extra_keys: Per-chunk key material (multimodal item hashes), chunk index -> bytes.
         load: What to load this step, if anything.
         save: What to save this step, if anything.

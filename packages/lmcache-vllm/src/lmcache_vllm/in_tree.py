@@ -1,22 +1,33 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every feature through vLLM's in-tree name ``LMCacheConnectorV1`` too.
 
-vLLM's in-tree wrapper (``vllm/distributed/kv_transfer/kv_connector/v1/lmcache_connector.py``,
-the class LMCache users select with ``"kv_connector": "LMCacheConnectorV1"``) builds our
-:class:`~lmcache_vllm.vllm_v1_adapter.LMCacheConnectorV1Impl` and hands itself as ``parent``, but
-it forwards neither ``reset_cache`` (so ``reset_prefix_cache(reset_connector=True)`` would leave
-lmcache full), nor the connector stats and Prometheus counters, nor ``handle_preemptions``, nor
-``shutdown`` (so an engine shut down would leave its queued saves unfinished, its lookup socket
-bound and its cache engine open until garbage collection; vLLM 0.26 and 0.32 alike); and it
-picks its CUDA-graph mode from ``extra_config["use_layerwise"]`` only, missing a layerwise mode set
-by ``lmcache.use_layerwise``, ``LMCACHE_USE_LAYERWISE`` or the YAML file.
+LMCache users select vLLM's in-tree wrapper with ``"kv_connector": "LMCacheConnectorV1"``.
+It lives in ``vllm/distributed/kv_transfer/kv_connector/v1/lmcache_connector.py``.
+The wrapper builds our :class:`~lmcache_vllm.vllm_v1_adapter.LMCacheConnectorV1Impl` and hands
+itself as ``parent``.
+It does not forward everything, in vLLM 0.26 and 0.32 alike:
+
+- ``reset_cache``: without it, ``reset_prefix_cache(reset_connector=True)`` leaves lmcache full.
+- the connector stats and the Prometheus counters.
+- ``handle_preemptions``.
+- ``shutdown``: without it, a shut-down engine leaves its queued saves unfinished, its lookup
+  socket bound and its cache engine open until garbage collection.
+
+The wrapper also picks its CUDA-graph mode from ``extra_config["use_layerwise"]`` alone.
+It misses a layerwise mode set by ``lmcache.use_layerwise``, ``LMCACHE_USE_LAYERWISE`` or the
+YAML file.
+This module fills these gaps:
 
 - :func:`adopt_in_tree_wrapper` binds the per-instance methods on the wrapper object that built
   us (``reset_cache``, ``get_kv_connector_stats``, ``handle_preemptions``, ``shutdown``).
 - :func:`patch_in_tree_class` gives the wrapper *class* our ``build_kv_connector_stats``,
-  ``build_prom_metrics`` and ``requires_piecewise_for_cudagraph``. vLLM calls these on the class
-  in its front-end process, where no connector instance exists, so our ``vllm.general_plugins``
-  entry point (:mod:`lmcache_vllm.plugin`) calls this in every vLLM process.
+  ``build_prom_metrics`` and ``requires_piecewise_for_cudagraph``.
+  vLLM calls these on the class in its front-end process, where no connector instance exists.
+  So our ``vllm.general_plugins`` entry point (:mod:`lmcache_vllm.plugin`) calls it in every
+  vLLM process.
+
+This module imports no other module of the adapter at import time, and never the adapter
+itself, so the adapter can import it.
 """
 
 from __future__ import annotations
@@ -32,12 +43,15 @@ _IN_TREE_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connecto
 
 
 def use_layerwise_for(extra_config: dict[str, Any] | None) -> bool:
-    """Whether lmcache runs layerwise for this ``kv_connector_extra_config``, wherever the
-    setting comes from (YAML file, ``LMCACHE_USE_LAYERWISE``, ``lmcache.use_layerwise`` or
-    ``use_layerwise`` in the extra config). A config that does not load counts as ``False``
-    here; the connector reports the error when it is built."""
+    """Whether lmcache runs layerwise for this ``kv_connector_extra_config``.
+
+    The setting may come from the YAML file, ``LMCACHE_USE_LAYERWISE``, ``lmcache.use_layerwise``
+    or ``use_layerwise`` in the extra config.
+    A config that does not load counts as ``False`` here, because the connector reports the error
+    when it is built.
+    """
     from lmcache.config import load_config
-    from lmcache_vllm.vllm_v1_adapter import extra_config_overrides
+    from lmcache_vllm.extra_config import extra_config_overrides
 
     try:
         return bool(load_config(overrides=extra_config_overrides(extra_config)).use_layerwise)

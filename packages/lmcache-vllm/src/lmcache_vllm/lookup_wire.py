@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Wire format of the scheduler -> worker lookups of :mod:`lmcache_vllm.lookup`.
+"""Wire format of the scheduler -> worker lookups of :mod:`lmcache_vllm.lookup_sockets`.
 
 Little-endian :mod:`struct` framing, no pickle: a peer can send only numbers, bounded text and
 bounded bytes, and every length is checked against its limit before its bytes are read. A request
@@ -23,7 +23,7 @@ connection, with one warning.
 :func:`encode_lookup` and :func:`encode_clear` frame requests (the former refuses a query beyond a
 limit with :class:`ValueError`); :func:`decode_request` and :func:`decode_request_body` read them
 back from a blocking socket. Sockets, connections, deadlines and failures are
-:mod:`lmcache_vllm.lookup`'s part.
+:mod:`lmcache_vllm.lookup_sockets`' part.
 """
 
 from __future__ import annotations

@@ -2,18 +2,19 @@
 """``LMCacheConnectorV1Impl``: lmcache behind vLLM's ``KVConnectorBase_V1`` (vLLM 0.26-0.33).
 
 vLLM builds the connector twice: once in the scheduler (``KVConnectorRole.SCHEDULER``) and once
-in every worker (``KVConnectorRole.WORKER``); with tensor parallelism or the default multiprocess
-executor these live in different processes. vLLM's in-tree ``LMCacheConnectorV1`` (imported
-through ``lmcache.integration.vllm.vllm_v1_adapter``) and our :mod:`lmcache_vllm.connector` both
-construct ``LMCacheConnectorV1Impl(vllm_config, role, parent)`` and delegate to it; it holds a
-:class:`~lmcache_vllm.scheduler.SchedulerSide` or a :class:`~lmcache_vllm.worker.WorkerSide`
-(read their module docstrings for the per-step lifecycle) over the plain-data metadata of
-:mod:`lmcache_vllm.connector_metadata`.
+in every worker (``KVConnectorRole.WORKER``).
+With tensor parallelism or the default multiprocess executor these live in different processes.
+Two classes construct ``LMCacheConnectorV1Impl(vllm_config, role, parent)`` and delegate to it:
+vLLM's in-tree ``LMCacheConnectorV1`` (imported through
+``lmcache.integration.vllm.vllm_v1_adapter``) and our :mod:`lmcache_vllm.connector`.
+It holds a :class:`~lmcache_vllm.scheduler.side.SchedulerSide` or a
+:class:`~lmcache_vllm.worker.side.WorkerSide`, whose module docstrings walk through each step.
+The two sides talk through the plain data of :mod:`lmcache_vllm.connector_metadata`.
 
 vLLM's in-tree wrapper forwards neither ``reset_cache``, nor the connector stats, nor
-``handle_preemptions``, nor ``shutdown``: when ``parent`` is that wrapper, this class attaches
-them to it (:func:`lmcache_vllm.in_tree.adopt_in_tree_wrapper`), so the in-tree name gets every
-feature.
+``handle_preemptions``, nor ``shutdown``.
+When ``parent`` is that wrapper, this class attaches them to it
+(:func:`lmcache_vllm.in_tree.adopt_in_tree_wrapper`), so the in-tree name gets every feature.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmcache.cache_engine import LMCacheEngine
-from lmcache.config import LMCacheConfig, load_config
 from lmcache_vllm.connector_metadata import (
     LMCacheConnectorMetadata,
     LoadSpec,
@@ -32,10 +32,16 @@ from lmcache_vllm.connector_metadata import (
     SaveSpec,
     WorkerStats,
 )
-from lmcache_vllm.kv_registration import check_kv_cache_groups
-from lmcache_vllm.scheduler import SchedulerSide, engine_key
+from lmcache_vllm.extra_config import extra_config_overrides, load_lmcache_config
+from lmcache_vllm.lookup_sockets import engine_key
+from lmcache_vllm.scheduler.side import SchedulerSide
 from lmcache_vllm.utils import calculate_local_rank_and_world_size
-from lmcache_vllm.worker import WorkerSide
+from lmcache_vllm.vllm_types import SchedulerOutput, SchedulerRequest, VllmConfig
+from lmcache_vllm.worker.kv_registration import check_kv_cache_groups
+from lmcache_vllm.worker.side import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "LMCacheConnectorMetadata",
@@ -50,32 +56,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Keys of ``kv_connector_extra_config`` that LMCache users write without the ``lmcache.``
-#: prefix and that vLLM itself reads (its in-tree wrapper picks its CUDA-graph mode from
-#: ``extra_config["use_layerwise"]``).
-UNPREFIXED_KEYS = ("use_layerwise",)
-
-
-def extra_config_overrides(extra: dict[str, Any] | None) -> dict[str, Any]:
-    """lmcache overrides in ``kv_connector_extra_config``: keys prefixed ``lmcache.``, plus the
-    unprefixed :data:`UNPREFIXED_KEYS` (the prefixed form wins when both are given)."""
-    extra = dict(extra or {})
-    out = {k: v for k, v in extra.items() if isinstance(k, str) and k.startswith("lmcache.")}
-    for key in UNPREFIXED_KEYS:
-        if key in extra and f"lmcache.{key}" not in out:
-            out[f"lmcache.{key}"] = extra[key]
-    return out
-
-
-def load_lmcache_config(vllm_config: Any) -> LMCacheConfig:
-    """lmcache config: defaults < ``LMCACHE_CONFIG_FILE`` < ``LMCACHE_*`` env <
-    ``kv_connector_extra_config`` (see :func:`extra_config_overrides`)."""
-    ktc = vllm_config.kv_transfer_config
-    return load_config(
-        overrides=extra_config_overrides(getattr(ktc, "kv_connector_extra_config", None))
-    )
-
 
 _LIVE: list[weakref.ref[LMCacheEngine]] = []
 _LIVE_LOCK = threading.Lock()
@@ -105,7 +85,7 @@ class LMCacheConnectorV1Impl:
             connector metadata).
     """
 
-    def __init__(self, vllm_config: Any, role: Any, parent: Any) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: object, parent: Any) -> None:
         self._parent = parent
         self._role_name = getattr(role, "name", str(role))
         self.is_scheduler = self._role_name == "SCHEDULER"
@@ -142,15 +122,15 @@ class LMCacheConnectorV1Impl:
             self.config.use_layerwise,
         )
 
-    def _metadata(self) -> Any:
+    def _metadata(self) -> object:
         return self._parent._get_connector_metadata() if self._parent is not None else None
 
-    def _sched(self) -> SchedulerSide:
+    def _scheduler_side(self) -> SchedulerSide:
         if self.scheduler is None:
             raise RuntimeError("lmcache: a scheduler-side method was called on a worker connector")
         return self.scheduler
 
-    def _work(self) -> WorkerSide:
+    def _worker_side(self) -> WorkerSide:
         if self.worker is None:
             raise RuntimeError("lmcache: a worker-side method was called on a scheduler connector")
         return self.worker
@@ -162,24 +142,27 @@ class LMCacheConnectorV1Impl:
 
     # ------------------------------------------------------------------ scheduler side
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+    def get_num_new_matched_tokens(
+        self, request: SchedulerRequest, num_computed_tokens: int
+    ) -> int | None:
         """Tokens lmcache loads beyond ``num_computed_tokens`` (vLLM's in-tree wrapper adds the
         ``load_async=False`` flag); ``None`` while a disk / remote lookup is in flight (vLLM
         asks again at a later step)."""
-        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
-        self._sched().update_state_after_alloc(request, num_external_tokens)
+    def update_state_after_alloc(self, request: SchedulerRequest, num_external_tokens: int) -> None:
+        self._scheduler_side().update_state_after_alloc(request, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> LMCacheConnectorMetadata:
-        return self._sched().build_connector_meta(scheduler_output)
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMCacheConnectorMetadata:
+        return self._scheduler_side().build_connector_meta(scheduler_output)
 
     def request_finished(
-        self, request: Any, block_ids: list[int]
+        self, request: SchedulerRequest, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """``(False, None)``: vLLM frees the blocks at once; the workers' saves of them finish
-        copying before any later step can rewrite them (see :mod:`lmcache_vllm.save_queue`)."""
-        self._sched().request_finished(request, block_ids)
+        copying before any later step can rewrite them (see
+        :mod:`lmcache_vllm.worker.save_queue`)."""
+        self._scheduler_side().request_finished(request, block_ids)
         return False, None
 
     def get_kv_events(self) -> list[Any]:
@@ -197,30 +180,30 @@ class LMCacheConnectorV1Impl:
 
     # ------------------------------------------------------------------ worker side
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._work().register_kv_caches(kv_caches)
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side().register_kv_caches(kv_caches)
 
-    def bind_connector_metadata(self, metadata: Any) -> None:
+    def bind_connector_metadata(self, metadata: object) -> None:
         if self.worker is not None:
             self.worker.bind(metadata)
 
-    def handle_preemptions(self, metadata: Any) -> None:
+    def handle_preemptions(self, metadata: object) -> None:
         if self.worker is not None:
             self.worker.handle_preemptions(metadata)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._work().start_load_kv()
+    def start_load_kv(self, forward_context: object, **kwargs: Any) -> None:
+        self._worker_side().start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._work().wait_for_layer_load(layer_name)
+        self._worker_side().wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        self._work().save_kv_layer(layer_name)
+        self._worker_side().save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        self._work().wait_for_save()
+        self._worker_side().wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(None, None)``: nothing is held for lmcache (saves fence block reuse instead,

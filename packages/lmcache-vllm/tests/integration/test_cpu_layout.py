@@ -10,7 +10,7 @@ from lmcache.config import LMCacheConfig
 from lmcache.gpu_connector import ChunkTransfer, EngineInfo, TransferSpec
 from lmcache.metadata import LMCacheMetadata
 from lmcache_vllm.gpu_connector import VLLMPagedConnector
-from lmcache_vllm.kv_formats import gather_layer
+from lmcache_vllm.transfer.kv_formats import gather_layer
 
 CASES = [
     (isa, dtype, block, head)

@@ -176,8 +176,7 @@ def test_engine_shutdown_reaches_lmcache(model_dir, baseline, config):
     socket removed, and what it saved stays for the next engine."""
     from vllm import LLM, SamplingParams
 
-    from lmcache_vllm.lookup import socket_path
-    from lmcache_vllm.scheduler import engine_key
+    from lmcache_vllm.lookup_sockets import engine_key, socket_path
 
     from .conftest import MAX_TOKENS, engine_kwargs, live_engine, shutdown_engine
 

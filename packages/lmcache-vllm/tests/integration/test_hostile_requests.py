@@ -18,8 +18,9 @@ from vllm.v1.request import Request
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.config import LMCacheConfig
 from lmcache.metadata import LMCacheMetadata
-from lmcache_vllm.lookup import LookupServer
-from lmcache_vllm.scheduler import SchedulerSide, engine_key
+from lmcache_vllm.lookup_sockets import engine_key
+from lmcache_vllm.scheduler.side import SchedulerSide
+from lmcache_vllm.worker.lookup_server import LookupServer
 
 from .conftest import CHUNK, MAX_TOKENS, PROMPTS, engine_kwargs, ktc, shutdown_engine
 

@@ -207,7 +207,7 @@ def _abort_at_each_point(
         engine.abort_request([f"inflight{i}"])
         engine.step()
     # each lookup lands after its request ended: its hit is released at once
-    assert _wait(lambda: _worker_side()._held.late >= 5, 30), _worker_side()._held.late
+    assert _wait(lambda: _worker_side()._leases.late >= 5, 30), _worker_side()._leases.late
     settle()
     left.append(_leases_beyond_the_tiers())
 
@@ -269,7 +269,7 @@ TP_ABORT_SCRIPT = textwrap.dedent(
 
     def late(worker):  # hits put by lookups of requests that had ended already
         from vllm.distributed.kv_transfer import get_kv_transfer_group
-        return get_kv_transfer_group()._impl.worker._held.late
+        return get_kv_transfer_group()._impl.worker._leases.late
 
     def slow_lookups(worker, delay_s):
         from lmcache_vllm.vllm_v1_adapter import live_engines

@@ -18,7 +18,7 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.request import Request
 
 from lmcache.keys import chunk_keys
-from lmcache_vllm.request_keys import RequestKeyer
+from lmcache_vllm.scheduler.request_keys import RequestKeyer
 
 CHUNK = 64
 FP = b"fingerprint"

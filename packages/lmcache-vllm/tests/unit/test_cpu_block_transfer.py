@@ -15,10 +15,10 @@ from lmcache.config import LMCacheConfig
 from lmcache.gpu_connector import ChunkTransfer, EngineInfo, TransferSpec
 from lmcache.memory.pinned_pool import ALIGNMENT
 from lmcache.metadata import LMCacheMetadata
-from lmcache_vllm.cpu_block_transfer import CpuBlockTransfer
 from lmcache_vllm.gpu_connector import VLLMPagedConnector
 from lmcache_vllm.testing.chunk_buffers import chunk_buffers as _buffers
-from lmcache_vllm.token_transfer import TokenTransfer
+from lmcache_vllm.transfer.cpu_block_transfer import CpuBlockTransfer
+from lmcache_vllm.transfer.token_transfer import TokenTransfer
 
 BLOCK, NUM_BLOCKS, LAYERS, HEADS, HEAD, CHUNK = 4, 40, 3, 2, 8, 8
 N = 29  # tokens of the request

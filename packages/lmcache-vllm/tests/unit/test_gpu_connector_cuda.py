@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from lmcache.gpu_connector import EngineInfo
-from lmcache_vllm.fused_transfer import FusedTransfer
 from lmcache_vllm.gpu_connector import VLLMPagedConnector
-from lmcache_vllm.token_transfer import TokenTransfer
+from lmcache_vllm.transfer.fused_transfer import FusedTransfer
+from lmcache_vllm.transfer.token_transfer import TokenTransfer
 
 from . import test_gpu_connector_conformance as cpu_suite
 
@@ -176,7 +176,7 @@ def test_prefetched_chunks_load_like_host_chunks(alloc, monkeypatch):
     from lmcache.gpu_connector import ChunkTransfer, TransferSpec
     from lmcache.memory.pinned_pool import HostMemoryPool
     from lmcache.metadata import LMCacheMetadata
-    from lmcache_vllm.fused_transfer import Prefetched
+    from lmcache_vllm.transfer.fused_transfer import Prefetched
 
     L, H, D, P, CS, NB, N = 3, 4, 64, 16, 64, 64, 200
     md = LMCacheMetadata(

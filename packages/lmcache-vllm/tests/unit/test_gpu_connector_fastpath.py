@@ -15,10 +15,10 @@ from lmcache.config import LMCacheConfig
 from lmcache.gpu_connector import ChunkTransfer, EngineInfo, TransferSpec
 from lmcache.memory.pinned_pool import ALIGNMENT
 from lmcache.metadata import LMCacheMetadata
-from lmcache_vllm.fused_plan import add_run
 from lmcache_vllm.gpu_connector import VLLMPagedConnector
 from lmcache_vllm.testing.chunk_buffers import chunk_buffers as _buffers
-from lmcache_vllm.token_transfer import TokenTransfer
+from lmcache_vllm.transfer.fused_plan import add_run
+from lmcache_vllm.transfer.token_transfer import TokenTransfer
 
 BLOCK, NUM_BLOCKS, LAYERS, CHUNK = 4, 40, 3, 8
 # CUDA cases carry the ``gpu`` mark, so ``pytest -m gpu`` (``nox -s gpu``) runs them

@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import lmcache_vllm
-from lmcache_vllm import gpu_connector, lookup, utils
+from lmcache_vllm import gpu_connector, lookup_sockets, utils
+from lmcache_vllm.scheduler import lookup_client
+from lmcache_vllm.worker import lookup_server
 
 
 def test_public_names():
@@ -23,12 +25,15 @@ def test_public_names():
         "get_vllm_torch_dev",
         "vllm_kv_dtype",
     ]
-    assert "LookupClient" in lookup.__all__ and "LookupServer" in lookup.__all__
+    assert lookup_client.__all__ == ["LookupClient"]
+    assert lookup_server.__all__ == ["LookupServer", "local_server"]
+    assert "socket_path" in lookup_sockets.__all__
 
 
 def test_gpu_connector_and_lookup_do_not_import_vllm():
     code = (
-        "import sys, lmcache_vllm, lmcache_vllm.gpu_connector, lmcache_vllm.lookup, "
-        "lmcache_vllm.utils; assert 'vllm' not in sys.modules, 'vllm imported'"
+        "import sys, lmcache_vllm, lmcache_vllm.gpu_connector, lmcache_vllm.scheduler.lookup_client, "
+        "lmcache_vllm.transfer.fused_transfer, lmcache_vllm.vllm_types, lmcache_vllm.utils; "
+        "assert 'vllm' not in sys.modules, 'vllm imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 import lmcache.keys
-import lmcache_vllm.lookup
+import lmcache_vllm.scheduler.lookup_client
 from lmcache.held_hit import HeldHit
 from lmcache.keys import chunk_keys
 from lmcache_vllm.connector_metadata import LoadSpec, ReqMeta
-from lmcache_vllm.held_hits import LookedUp
 from lmcache_vllm.lookup_wire import LookupQuery, decode_request, encode_lookup
+from lmcache_vllm.worker.lookup_leases import LookedUp
 
 from .test_lease_on_lookup import BLOCK, PROMPT, Rig, _prompt, _request
 
@@ -32,7 +32,7 @@ def via(request, monkeypatch):
     """How the scheduler reaches the worker's lookup server: a direct call (one process, the
     prompt list itself) or its socket (vLLM's multiprocess ranks: the tokens are decoded)."""
     if request.param == "socket":
-        monkeypatch.setattr(lmcache_vllm.lookup, "_local_server", lambda path: None)
+        monkeypatch.setattr(lmcache_vllm.scheduler.lookup_client, "local_server", lambda path: None)
     return request.param
 
 
@@ -87,7 +87,7 @@ def test_the_load_reuses_the_lookups_keys(rig, monkeypatch, via):
     tokens = _prompt(1)
     saved = rig.pages(rig.store("writer", tokens)).clone()
     assert rig.scheduler.get_num_new_matched_tokens(_request("r", tokens), 0) == PROMPT - BLOCK
-    looked = rig.worker._held._held["r"].looked_up
+    looked = rig.worker._leases._held["r"].looked_up
     assert looked is not None and list(looked.tokens) == tokens
     assert isinstance(looked.tokens, np.ndarray if via == "socket" else list)
     spy = Spy(rig, monkeypatch)

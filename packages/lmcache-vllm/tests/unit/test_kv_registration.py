@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmcache.gpu_connector import KVLayoutError
-from lmcache_vllm.kv_registration import build_metadata, order_caches
+from lmcache_vllm.worker.kv_registration import build_metadata, order_caches
 
 
 def _config(**model: object) -> SimpleNamespace:

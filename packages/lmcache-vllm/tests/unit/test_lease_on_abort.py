@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 
 from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta
-from lmcache_vllm.lookup import LookupClient
+from lmcache_vllm.scheduler.lookup_client import LookupClient
 
 from .test_lease_on_lookup import BLOCK, PROMPT, Rig, _prompt, _request
 
@@ -97,7 +97,7 @@ def disk_rig(tmp_path, request, layerwise) -> Iterator[Rig]:
     )
     assert rig.scheduler.async_lookups
     if request.param == "socket":
-        rig.scheduler._lookup_client = LookupClient(
+        rig.scheduler.lookups.client = LookupClient(
             rig.scheduler.engine_key, 1, timeout_s=30.0, in_process=False
         )
     yield rig
@@ -126,7 +126,7 @@ def test_an_abort_at_any_point_leaves_no_lease(disk_rig: Rig) -> None:
     gated.gate.set()
     assert gated.returned.wait(10)
     _no_request_holds_anything(rig)
-    assert rig.worker._held.late == 1
+    assert rig.worker._leases.late == 1
 
     # 2. Aborted once answered (vLLM had not taken the answer yet).
     req = _request("answered", prompts[1])
@@ -169,7 +169,7 @@ def test_a_lookup_past_its_deadline_is_a_miss_and_its_late_lease_goes_with_the_r
     target, other = _prompt(70), _prompt(71)
     rig.store("w", target)
     rig.store("w2", other)
-    client = rig.scheduler._client()
+    client = rig.scheduler.lookups.get_client()
     client.timeout_s = 0.5  # the deadline of this test's lookups
     if client._direct is not None:
         client._direct.timeout = 0.5
@@ -211,7 +211,8 @@ def test_a_stuck_worker_in_this_process_is_a_miss_then_the_client_backs_off(tmp_
     a while (one log line) instead of taking more threads, then probes again."""
     import tempfile
 
-    from lmcache_vllm.lookup import LookupQuery, LookupServer
+    from lmcache_vllm.lookup_wire import LookupQuery
+    from lmcache_vllm.worker.lookup_server import LookupServer
 
     gate = threading.Event()
     calls: list[str] = []

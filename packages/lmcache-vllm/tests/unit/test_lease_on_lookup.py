@@ -16,10 +16,11 @@ import torch
 
 from lmcache.tiers import reset_process_cpu_tiers
 from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
-from lmcache_vllm.scheduler import SchedulerSide, engine_key
+from lmcache_vllm.lookup_sockets import engine_key
+from lmcache_vllm.scheduler.side import SchedulerSide
 from lmcache_vllm.testing import connector_vllm_config
 from lmcache_vllm.vllm_v1_adapter import load_lmcache_config
-from lmcache_vllm.worker import WorkerSide
+from lmcache_vllm.worker.side import WorkerSide
 
 CHUNK, BLOCK, HEADS, HEAD, LAYERS = 64, 16, 2, 32, 2
 NUM_BLOCKS = 200
@@ -186,11 +187,11 @@ def test_leases_are_released_after_the_load_and_on_finish(rig):
     rig.store("wb", b)
     rig.scheduler.get_num_new_matched_tokens(_request("ra", a), 0)
     rig.scheduler.get_num_new_matched_tokens(_request("rb", b), 0)
-    assert len(rig.worker._held) == 2
+    assert len(rig.worker._leases) == 2
     rig.step(ReqMeta("ra", a, rig.blocks(PROMPT), load=LoadSpec(0, PROMPT, PROMPT - BLOCK)))
-    assert len(rig.worker._held) == 1  # ra's lease went with its load
+    assert len(rig.worker._leases) == 1  # ra's lease went with its load
     rig.worker.get_finished({"rb"})  # rb finished (aborted) before it was ever scheduled
-    assert len(rig.worker._held) == 0
+    assert len(rig.worker._leases) == 0
     pool = rig.worker.lmcache_engine.pool
     held_by_tier_only = all(
         e.lease.ref_count == 1 for e in rig.worker.lmcache_engine.tier._entries.values()
@@ -202,11 +203,11 @@ def test_a_vanished_request_lease_times_out(rig):
     a = _prompt(20)
     rig.store("w", a)
     rig.scheduler.get_num_new_matched_tokens(_request("ghost", a), 0)
-    assert len(rig.worker._held) == 1
-    rig.worker._held.timeout_s = 0.0
-    rig.worker._held.reuse("ghost", PROMPT, "")  # refresh with a zero timeout
+    assert len(rig.worker._leases) == 1
+    rig.worker._leases.timeout_s = 0.0
+    rig.worker._leases.reuse("ghost", PROMPT, "")  # refresh with a zero timeout
     rig.step()  # every step expires stale leases
-    assert len(rig.worker._held) == 0
+    assert len(rig.worker._leases) == 0
     assert rig.worker.take_stats()["expired_leases"] == 1
 
 
@@ -408,25 +409,25 @@ def test_a_hit_is_copied_to_the_device_at_lookup_and_loads_exactly(tmp_path, via
         pytest.skip("needs a CUDA GPU")
     import gc
 
-    from lmcache_vllm.lookup import LookupClient
-    from lmcache_vllm.worker_layerwise import layer_groups
+    from lmcache_vllm.scheduler.lookup_client import LookupClient
+    from lmcache_vllm.worker.layerwise_step import layer_groups
 
     rig = Rig(tmp_path, budget_chunks=8, device="cuda", use_layerwise=layerwise)
     if via == "socket":  # as with tensor parallelism: the worker in another process
-        rig.scheduler._lookup_client = LookupClient(rig.scheduler.engine_key, 1, in_process=False)
+        rig.scheduler.lookups.client = LookupClient(rig.scheduler.engine_key, 1, in_process=False)
     try:
         a, b = _prompt(50), _prompt(51)
         src_a, src_b = rig.store("wa", a), rig.store("wb", b)
         want_a, want_b = rig.pages(src_a).clone(), rig.pages(src_b).clone()
         promised = rig.scheduler.get_num_new_matched_tokens(_request("ra", a), 0)
         assert promised == PROMPT - BLOCK
-        held = rig.worker._held._held["ra"].hit
-        assert held.prefetched is not None and rig.worker._prefetching > 0
+        held = rig.worker._leases._held["ra"].hit
+        assert held.prefetched is not None and rig.worker.prefetcher.in_flight_bytes > 0
         groups = [g.stop for g in layer_groups(LAYERS)] if layerwise else []
         assert [stop for stop, _ in held.prefetched.layer_events] == groups
-        rig.worker.prefetch_budget_bytes = rig.worker._prefetching  # b will not fit
+        rig.worker.prefetcher.budget_bytes = rig.worker.prefetcher.in_flight_bytes  # b won't fit
         assert rig.scheduler.get_num_new_matched_tokens(_request("rb", b), 0) == promised
-        assert rig.worker._held._held["rb"].hit.prefetched is None
+        assert rig.worker._leases._held["rb"].hit.prefetched is None
         dst_a, dst_b = rig.blocks(PROMPT), rig.blocks(PROMPT)
         for c in rig.caches.values():
             c[dst_a + dst_b] = float("nan")
@@ -442,6 +443,6 @@ def test_a_hit_is_copied_to_the_device_at_lookup_and_loads_exactly(tmp_path, via
             assert torch.equal(got.view(torch.int32), want[:, :full].view(torch.int32))
         del held
         gc.collect()
-        assert rig.worker._prefetching == 0  # the copy was freed with the lease
+        assert rig.worker.prefetcher.in_flight_bytes == 0  # the copy was freed with the lease
     finally:
         rig.close()

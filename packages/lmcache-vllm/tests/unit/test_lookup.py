@@ -18,25 +18,27 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_vllm import lookup as lookup_mod
-from lmcache_vllm import lookup_wire
-from lmcache_vllm.lookup import (
+from lmcache_vllm import lookup_sockets, lookup_wire
+from lmcache_vllm.lookup_sockets import socket_dir, socket_path
+from lmcache_vllm.lookup_wire import (
     MAX_EXTRA_KEYS,
     MAX_ID_BYTES,
     MAX_SALT_BYTES,
     MAX_TOKENS,
-    LookupClient,
     LookupQuery,
-    LookupServer,
+    check_lookup,
     decode_request,
     encode_clear,
     encode_lookup,
-    socket_dir,
-    socket_path,
 )
-from lmcache_vllm.lookup_wire import check_lookup
+from lmcache_vllm.scheduler import lookup_client
+from lmcache_vllm.scheduler.lookup_client import LookupClient
+from lmcache_vllm.worker import lookup_server
+from lmcache_vllm.worker.lookup_server import LookupServer
 
-LOGGER = "lmcache_vllm.lookup"
+# The client logs under lmcache_vllm.scheduler.lookup_client, the server under
+# lmcache_vllm.worker.lookup_server: their common parent's level reaches both.
+LOGGER = "lmcache_vllm"
 
 
 def prefix_lookup(stored: list[int]) -> Callable[[LookupQuery], int]:
@@ -219,32 +221,23 @@ def test_decode_rejects_malformed_requests(payload, match):
     assert type(info.value) is ValueError
 
 
-def test_lookup_re_exports_the_wire_names():
-    assert sorted(lookup_mod.__all__) == sorted(
-        [
-            "MAX_EXTRA_KEYS",
-            "MAX_EXTRA_KEY_BYTES",
-            "MAX_ID_BYTES",
-            "MAX_SALT_BYTES",
-            "MAX_TOKENS",
-            "OP_CLEAR",
-            "OP_LOOKUP",
-            "LookupClient",
-            "LookupQuery",
-            "LookupServer",
-            "decode_request",
-            "encode_clear",
-            "encode_lookup",
-            "socket_dir",
-            "socket_path",
-        ]
-    )
-    for name in lookup_mod.__all__:
-        assert hasattr(lookup_mod, name), name
-        if name in lookup_wire.__all__:
-            assert getattr(lookup_mod, name) is getattr(lookup_wire, name), name
-    for name in lookup_wire.__all__:
-        assert hasattr(lookup_wire, name), name
+def test_lookup_modules_pin_their_names():
+    assert lookup_sockets.__all__ == [
+        "LOG_EVERY_S",
+        "LogThrottle",
+        "engine_key",
+        "socket_dir",
+        "socket_path",
+        "unsafe_folder",
+    ]
+    assert lookup_server.__all__ == ["LookupServer", "local_server"]
+    assert lookup_client.__all__ == ["LookupClient"]
+    for module in (lookup_sockets, lookup_server, lookup_client, lookup_wire):
+        for name in module.__all__:
+            assert hasattr(module, name), (module.__name__, name)
+    # Both sides take the wire format from lookup_wire: one definition, no copies.
+    assert lookup_client.LookupQuery is lookup_wire.LookupQuery
+    assert lookup_server.LookupQuery is lookup_wire.LookupQuery
 
 
 def test_decode_truncated_request_is_a_connection_error():
@@ -481,7 +474,7 @@ def test_garbage_from_a_raw_client_closes_only_that_connection(h, caplog):
 
 
 def test_a_stalled_client_is_cut_off_and_blocks_nobody(h, monkeypatch):
-    monkeypatch.setattr(lookup_mod, "_BODY_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(lookup_server, "_BODY_TIMEOUT_S", 0.3)
     server = h.server("k", 0, lambda query: len(query.tokens))
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
         raw.settimeout(3.0)

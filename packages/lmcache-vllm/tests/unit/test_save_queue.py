@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from lmcache_vllm.save_queue import ReadFence, SaveQueue
+from lmcache_vllm.worker.save_queue import ReadFence, SaveQueue
 
 
 def test_copies_in_order_commits_after_their_copy():
@@ -158,7 +158,7 @@ def _held_waiter(gate) -> tuple[threading.Thread, list[float]]:
 
 
 def test_gate_lets_a_commit_run_while_a_forward_is_in_flight():
-    from lmcache_vllm.save_queue import QuietGate
+    from lmcache_vllm.worker.save_queue import QuietGate
 
     gate = QuietGate(max_wait_s=5.0)
     gate.forward_enqueued(_Event(done=False))
@@ -167,7 +167,7 @@ def test_gate_lets_a_commit_run_while_a_forward_is_in_flight():
 
 
 def test_gate_holds_a_commit_until_the_next_forward_or_its_deadline():
-    from lmcache_vllm.save_queue import QuietGate
+    from lmcache_vllm.worker.save_queue import QuietGate
 
     gate = QuietGate(max_wait_s=0.2)
     gate.forward_enqueued(_Event(done=True))  # the GPU finished: vLLM's thread is busy
@@ -182,7 +182,7 @@ def test_gate_holds_a_commit_until_the_next_forward_or_its_deadline():
 
 @pytest.mark.parametrize("how", ["hurry", "close"])
 def test_gate_holds_nothing_back_when_hurried_or_closed(how):
-    from lmcache_vllm.save_queue import QuietGate
+    from lmcache_vllm.worker.save_queue import QuietGate
 
     gate = QuietGate(max_wait_s=5.0)
     waiter, took = _held_waiter(gate)
@@ -219,7 +219,7 @@ def test_queue_wait_hurries_a_held_commit():
 
 
 def test_a_lookup_waiting_for_an_unpublished_save_hurries_only_while_it_waits():
-    from lmcache_vllm.save_queue import UnpublishedSaves
+    from lmcache_vllm.worker.save_queue import UnpublishedSaves
 
     saves = UnpublishedSaves(chunk_size=4)
     entered: list[str] = []
@@ -244,7 +244,7 @@ def test_a_lookup_waits_only_for_saves_that_extend_its_hit():
     first missing chunk), over random saves built to share first/last tokens and lengths."""
     import random
 
-    from lmcache_vllm.save_queue import UnpublishedSaves
+    from lmcache_vllm.worker.save_queue import UnpublishedSaves
 
     rng = random.Random(0)
     for _ in range(300):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from lmcache_vllm import vllm_v1_adapter as adapter
-from lmcache_vllm.request_keys import RequestKeyer
+from lmcache_vllm.scheduler.request_keys import RequestKeyer
+from lmcache_vllm.transfer.transfer_plan import save_mask, slot_mapping
 
 CHUNK, BLOCK = 64, 16
 
@@ -46,7 +47,7 @@ def make_impl(hit: int, kv_role: str = "kv_both", **lmcache):
         instance_id="i0",
     )
     impl = adapter.LMCacheConnectorV1Impl(cfg, SimpleNamespace(name="SCHEDULER"), None)
-    impl.scheduler._lookup_client = FakeClient(hit)
+    impl.scheduler.lookups.client = FakeClient(hit)
     return impl, cfg
 
 
@@ -117,7 +118,7 @@ def test_partial_hit_loads_beyond_vllm_and_saves_the_rest():
     assert r.save == adapter.SaveSpec(skip=192, end=256)  # 300 computed: 4 full chunks
     # the salt travels as a fixed-size digest of the request's cache_salt, the same one the
     # lookup used (so the worker's keys match the scheduler's promise)
-    (query,) = impl.scheduler._lookup_client.queries
+    (query,) = impl.scheduler.lookups.client.queries
     assert r.salt == query.salt == RequestKeyer(CHUNK).key(req).salt
     assert (
         len(r.salt) == 32 and r.salt != RequestKeyer(CHUNK).key(request("a", [1], salt="t2")).salt
@@ -196,12 +197,13 @@ def test_finished_requests_are_forgotten():
 def test_slot_mapping_and_mask():
     impl = make_worker()
     req = adapter.ReqMeta("x", list(range(40)), block_ids=[7, 3, 9])
-    slots = impl._slot_mapping(req, 40)
+    slots = slot_mapping(req.block_ids, impl.block_size, 40)
     assert slots[:3].tolist() == [112, 113, 114]
     assert slots[16].item() == 48 and slots[39].item() == 9 * 16 + 7
-    assert impl._slot_mapping(req, 50)[48:].tolist() == [-1, -1]
-    mask = impl._mask(200, 130)
-    assert not mask[:128].any() and mask[128:].all()
+    assert slot_mapping(req.block_ids, impl.block_size, 50)[48:].tolist() == [-1, -1]
+    mask = save_mask(200, 130, impl.chunk_size)
+    assert mask is not None and not mask[:128].any() and mask[128:].all()
+    assert save_mask(200, impl.chunk_size - 1, impl.chunk_size) is None  # no whole chunk skipped
 
 
 def test_load_shortfall_reports_blocks():
@@ -214,7 +216,7 @@ def test_load_shortfall_reports_blocks():
     )
     loaded = torch.zeros(256, dtype=torch.bool)
     loaded[:128] = True  # chunks 0-1 loaded, 2-3 missing
-    impl._record_load(req, loaded)
+    impl._loads.record(req, loaded)
     assert impl.get_block_ids_with_load_errors() == set(range(18, 26))
     assert impl.get_block_ids_with_load_errors() == set()
 
@@ -234,15 +236,15 @@ def test_ranks_on_other_nodes_turn_loads_off_with_one_clear_line(caplog):
         instance_id="i",
     )
     from lmcache.config import LMCacheConfig
-    from lmcache_vllm.scheduler import SchedulerSide
+    from lmcache_vllm.scheduler.side import SchedulerSide
 
     side = SchedulerSide(cfg, LMCacheConfig(chunk_size=CHUNK), world_size=4, local_world_size=2)
-    side._lookup_client = FakeClient(256)
+    side.lookups.client = FakeClient(256)
     assert side.get_num_new_matched_tokens(request("x", list(range(300))), 0) == 0
     (line,) = [r.getMessage() for r in caplog.records if "span several nodes" in r.getMessage()]
     assert "loads nothing" in line and "only stores" in line
     local = SchedulerSide(cfg, LMCacheConfig(chunk_size=CHUNK), world_size=4, local_world_size=4)
-    local._lookup_client = FakeClient(256)  # control: all ranks on this node
+    local.lookups.client = FakeClient(256)  # control: all ranks on this node
     assert local.get_num_new_matched_tokens(request("x", list(range(300))), 0) == 256
 
 
@@ -252,7 +254,7 @@ def test_lookups_that_may_read_lower_tiers_never_block_the_scheduler():
     import threading
 
     impl, _ = make_impl(hit=192, local_disk="/nonexistent/lmcache", max_local_disk_size=1.0)
-    client = impl.scheduler._lookup_client
+    client = impl.scheduler.lookups.client
     gate = threading.Event()
     answer = client.lookup
     client.lookup = lambda query: (gate.wait(10), answer(query))[1]
@@ -260,7 +262,7 @@ def test_lookups_that_may_read_lower_tiers_never_block_the_scheduler():
     assert impl.get_num_new_matched_tokens(req, 64) is None
     assert impl.get_num_new_matched_tokens(req, 64) is None  # in flight: not asked twice
     gate.set()
-    impl.scheduler._lookups["a"][0].result(10)
+    impl.scheduler.lookups.pending["a"][0].result(10)
     assert impl.get_num_new_matched_tokens(req, 64) == 128  # 192 found, vLLM holds 64
     assert len(client.queries) == 1
     # A request that finishes while its lookup is in flight is forgotten with it.
@@ -268,7 +270,7 @@ def test_lookups_that_may_read_lower_tiers_never_block_the_scheduler():
     other = request("b", list(range(300)))
     assert impl.get_num_new_matched_tokens(other, 0) is None
     impl.request_finished(other, [])
-    assert "b" not in impl.scheduler._lookups
+    assert "b" not in impl.scheduler.lookups.pending
     gate.set()
     impl.scheduler.close()
 
@@ -290,7 +292,7 @@ def test_cuda_lookups_run_off_the_scheduler_thread_when_hits_are_verified():
             extra["lmcache.checksum"] = checksum
         again = adapter.LMCacheConnectorV1Impl(cfg, SimpleNamespace(name="SCHEDULER"), None)
         assert again.scheduler.async_lookups is expected, (device, checksum)
-        again.scheduler._lookup_client = FakeClient(CHUNK * 2)
+        again.scheduler.lookups.client = FakeClient(CHUNK * 2)
         req = request(f"r-{device}-{checksum}", list(range(3 * CHUNK)))
         first = again.get_num_new_matched_tokens(req, 0)
         if expected:  # asked in the background; the answer comes at a later step

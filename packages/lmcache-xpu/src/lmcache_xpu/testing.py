@@ -301,9 +301,10 @@ def force_engine_device(device: str = "xpu") -> Iterator[list[str]]:
     """Make the vLLM adapter build its connector under ``vllm.<device>`` whatever device its
     caches are on (with :func:`fake_xpu`: ``vllm.xpu`` for a vLLM CPU engine). Yields the keys
     the adapter asked for."""
-    import lmcache_vllm.kv_registration
+    from lmcache_vllm.worker import kv_registration as module
 
-    kv_registration: Any = lmcache_vllm.kv_registration  # patched by name, as the adapter calls it
+    # Patched by name, because the adapter looks the factory up in this module when it calls it.
+    kv_registration: Any = module
     original: Callable[..., Any] = kv_registration.CreateGPUConnector
     keys: list[str] = []
 

@@ -2,8 +2,8 @@
 """Test helpers for lmcache-vllm: a tiny random Llama built locally, prompts, CPU engine settings
 and fault injection (:func:`slow_save_copies`).
 
-Importing this package never imports vllm (only ``transformers``/``tokenizers``/``torch`` when a model
-is actually built).
+Importing this package never imports vllm (only ``transformers``/``tokenizers``/``torch`` when a
+model is actually built).
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ def slow_save_copies(delay_s: float) -> Iterator[set[Any]]:
     """While open, every job queued on a worker's save thread sleeps ``delay_s`` before it
     runs, so a copy reads vLLM's pages that much later (as under a busy copy thread).
 
-    Yields the set of :class:`~lmcache_vllm.save_queue.SaveQueue` objects that got jobs
+    Yields the set of :class:`~lmcache_vllm.worker.save_queue.SaveQueue` objects that got jobs
     (``q.wait(timeout)`` waits until their saves are published). Affects every engine of this
     process; engines in other processes are not touched.
     """
-    from lmcache_vllm.save_queue import SaveQueue
+    from lmcache_vllm.worker.save_queue import SaveQueue
 
     queues: set[Any] = set()
     submit = SaveQueue.submit

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """A stand-in for vLLM's ``VllmConfig`` with the fields lmcache's connector sides read.
 
-For driving :class:`~lmcache_vllm.scheduler.SchedulerSide` and
-:class:`~lmcache_vllm.worker.WorkerSide` directly (unit tests, benchmarks) without starting vLLM;
-the end-to-end tests use real vLLM.
+For driving :class:`~lmcache_vllm.scheduler.side.SchedulerSide` and
+:class:`~lmcache_vllm.worker.side.WorkerSide` directly (unit tests, benchmarks) without starting
+vLLM; the end-to-end tests use real vLLM.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ into a miss for that request, logged once per kind of failure and counted
 Per request:
 
 1. :meth:`SchedulerSide.get_num_new_matched_tokens`: derives the request's key material
-   (:mod:`lmcache_vllm.request_keys`), asks every worker rank in parallel how many leading
-   prompt tokens lmcache holds (:mod:`lmcache_vllm.lookup`; each rank *leases* the chunks it
-   found, so they cannot be evicted before the load) and reports the tokens beyond vLLM's own
-   prefix-cache hit, ending on a block boundary before the last prompt token (as vLLM's own
+   (:mod:`lmcache_vllm.scheduler.request_keys`), asks every worker rank in parallel how many leading
+   prompt tokens lmcache holds (:mod:`lmcache_vllm.scheduler.lookup_client`; each rank *leases* the
+   chunks it found, so they cannot be evicted before the load) and reports the tokens beyond vLLM's
+   own prefix-cache hit, ending on a block boundary before the last prompt token (as vLLM's own
    prefix cache does: vLLM computes at least the last token, and never starts mid-block).
 2. :meth:`SchedulerSide.update_state_after_alloc` then :meth:`SchedulerSide.build_connector_meta`:
    records what to load (``[vllm_cached, load_end)``) and what to save (tokens computed this
@@ -24,14 +24,15 @@ Per request:
    promise anything (they are leased only once in host memory), which can take longer than a
    scheduler step: the lookup then runs on a background thread and the method returns ``None``
    (vLLM's "ask again later") until the answer is in, so the scheduler never waits for a disk or
-   a network. Such a lookup has a deadline (:data:`ASYNC_LOOKUP_TIMEOUT_S`, past which it is a
-   miss, counted in ``lookup_timeouts``), on every path: a worker in this process is asked on a
-   daemon thread, others over their sockets; the tiers bound each read themselves
-   (``tier_timeout``). Several run at once (:data:`LOOKUP_THREADS`), so a slow one never holds
-   up the lookups of other requests.
+   a network. Such a lookup has a deadline
+   (:data:`~lmcache_vllm.scheduler.prefix_lookups.ASYNC_LOOKUP_TIMEOUT_S`, past which it is a miss,
+   counted in ``lookup_timeouts``), on every path: a worker in this process is asked on a daemon
+   thread, others over their sockets; the tiers bound each read themselves (``tier_timeout``).
+   Several run at once (:data:`~lmcache_vllm.scheduler.prefix_lookups.LOOKUP_THREADS`), so a slow
+   one never holds up the lookups of other requests.
 3. :meth:`SchedulerSide.request_finished`: forgets the request. vLLM frees its blocks at once:
    saves are asynchronous, but every worker step first waits until queued saves have copied
-   their pages (:mod:`lmcache_vllm.save_queue`), so a freed block is never rewritten while a
+   their pages (:mod:`lmcache_vllm.worker.save_queue`), so a freed block is never rewritten while a
    save reads it. A chunk completed by drafts accepted in the request's last step is saved
    from the freed blocks by the workers at the start of the next step, before it rewrites any
    page (``LMCacheConnectorMetadata.finished``).
@@ -40,11 +41,9 @@ Per request:
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from lmcache.config import LMCacheConfig
 from lmcache_vllm.connector_metadata import (
@@ -54,42 +53,28 @@ from lmcache_vllm.connector_metadata import (
     SaveSpec,
     Tracker,
 )
-from lmcache_vllm.lookup import LookupClient, LookupQuery
-from lmcache_vllm.request_keys import RequestKey, RequestKeyer
+from lmcache_vllm.lookup_sockets import engine_key
+from lmcache_vllm.lookup_wire import LookupQuery
+from lmcache_vllm.scheduler.prefix_lookups import PrefixLookups, runs_off_thread
+from lmcache_vllm.scheduler.request_keys import (
+    RequestKey,
+    RequestKeyer,
+    chunk_extra_keys,
+    skips_reading,
+)
+from lmcache_vllm.vllm_types import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerRequest,
+    VllmConfig,
+)
 
-__all__ = ["SchedulerSide", "engine_key"]
+__all__ = ["SchedulerSide"]
 
 logger = logging.getLogger(__name__)
 
-ASYNC_LOOKUP_TIMEOUT_S = 30.0
-"""Deadline of one asynchronous lookup (disk / remote tiers): it runs off the scheduler thread,
-so it may read a long prompt's chunks from a slow disk or network; a rank that misses it is a
-miss. A hung tier costs less: each of its reads is abandoned after ``tier_timeout`` seconds
-without progress."""
-
-LOOKUP_THREADS = 4
-"""Asynchronous lookups that may run at once (each on its own thread)."""
-
-LATE_GRACE_S = 1.0
-"""An asynchronous lookup still pending this long after its deadline (it waited for a thread)
-is a miss."""
-
 _T = TypeVar("_T")
-
-
-def engine_key(vllm_config: Any) -> str:
-    """Names one engine instance: ``kv_transfer_config.engine_id``, ``vllm_config.instance_id``
-    and the data-parallel rank.
-
-    Scheduler and workers of one engine share it (the config is pickled to every process); two
-    engines in one process or on one host, or two data-parallel replicas, never do.
-    """
-    ktc = vllm_config.kv_transfer_config
-    engine_id = str(getattr(ktc, "engine_id", None) or "lmcache-default")
-    instance = str(getattr(vllm_config, "instance_id", "") or "")
-    pc = getattr(vllm_config, "parallel_config", None)
-    dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
-    return f"{engine_id}:{instance}:dp{dp_rank}"
 
 
 class SchedulerSide:
@@ -104,7 +89,11 @@ class SchedulerSide:
     """
 
     def __init__(
-        self, vllm_config: Any, config: LMCacheConfig, world_size: int, local_world_size: int
+        self,
+        vllm_config: VllmConfig,
+        config: LMCacheConfig,
+        world_size: int,
+        local_world_size: int,
     ) -> None:
         ktc = vllm_config.kv_transfer_config
         self.kv_role: str = getattr(ktc, "kv_role", None) or "kv_both"
@@ -114,27 +103,19 @@ class SchedulerSide:
         self.engine_key = engine_key(vllm_config)
         self.world_size = world_size
         self._keyer = RequestKeyer(self.chunk_size)
-        self._lookup_client: LookupClient | None = None
-        # Lookups that may read the disk / remote tier run off the scheduler thread. So do
-        # lookups on CUDA with checksums: the worker checks a hit on the GPU before answering,
-        # which waits for the hit's host-to-device copy.
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
-        self.async_lookups = (
-            config.local_disk is not None
-            or config.remote_url is not None
-            or (str(device) == "cuda" and config.checksum is not False)
-        )
-        self._lookups: dict[str, tuple[Future[int], float]] = {}  # and when it is too late
-        self._lookup_pool: ThreadPoolExecutor | None = None
+        self.async_lookups = runs_off_thread(device, config)
+        self.lookups = PrefixLookups(self.engine_key, world_size, self.async_lookups)
         self._load_specs: dict[str, LoadSpec] = {}
         self._trackers: dict[str, Tracker] = {}
-        self._requests: dict[str, Any] = {}
+        self._requests: dict[str, SchedulerRequest] = {}
         self._keys: dict[str, RequestKey] = {}
         self._preempted: list[str] = []
         self._finished_saves: list[ReqMeta] = []  # sent with the next step's metadata
         self._failures_logged: set[tuple[str, str]] = set()
         self.stats = {"scheduler_failures": 0, "skipped_requests": 0, "lookup_timeouts": 0}
         self._client_timeouts = 0  # the lookup client's timeouts already reported
+        self._late_lookups = 0  # the lookups' late misses already reported
         self.loads_enabled = self.kv_role != "kv_producer"
         if world_size > local_world_size:
             self.loads_enabled = False
@@ -176,17 +157,7 @@ class SchedulerSide:
             exc_info=exc,
         )
 
-    def _client(self) -> LookupClient:
-        if self._lookup_client is None:
-            self._lookup_client = LookupClient(
-                self.engine_key,
-                self.world_size,
-                timeout_s=ASYNC_LOOKUP_TIMEOUT_S if self.async_lookups else 1.0,
-                direct_deadline=self.async_lookups,  # a worker here may be stuck on a tier
-            )
-        return self._lookup_client
-
-    def _key(self, request: Any) -> RequestKey:
+    def _key(self, request: SchedulerRequest) -> RequestKey:
         rid = str(request.request_id)
         key = self._keys.get(rid)
         if key is None:
@@ -199,7 +170,9 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ vLLM entry points
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+    def get_num_new_matched_tokens(
+        self, request: SchedulerRequest, num_computed_tokens: int
+    ) -> int | None:
         """Tokens lmcache can load beyond the ``num_computed_tokens`` vLLM holds (0 on any
         failure); ``None`` while an asynchronous lookup (disk / remote tiers) is in flight."""
         rid = str(getattr(request, "request_id", "?"))
@@ -208,9 +181,9 @@ class SchedulerSide:
             "lookup", rid, miss, lambda: self._matched(request, rid, num_computed_tokens)
         )
 
-    def _matched(self, request: Any, rid: str, num_computed_tokens: int) -> int | None:
+    def _matched(self, request: SchedulerRequest, rid: str, num_computed_tokens: int) -> int | None:
         self._load_specs.pop(rid, None)
-        if not self.loads_enabled or _skips_reading(request):
+        if not self.loads_enabled or skips_reading(request):
             return 0
         key = self._key(request)
         tokens = request.prompt_token_ids or []
@@ -218,28 +191,17 @@ class SchedulerSide:
             tokens = list(tokens)  # vLLM's own is a list already: not copied per lookup
         if key.skip_reason is not None or not tokens:
             return 0
-        pending = self._lookups.pop(rid, None)
-        if pending is not None and not pending[0].done():
-            if time.monotonic() <= pending[1]:
-                self._lookups[rid] = pending
-                return None  # vLLM asks again at a later step
-            # Past its deadline (e.g. queued behind stuck lookups): a miss. Its worker-side
-            # lease, if one comes, goes with the request's end (or load-less first step).
-            self.stats["lookup_timeouts"] += 1
-            hit = 0
-        elif pending is not None:
-            hit = pending[0].result()  # LookupClient.lookup never raises
-        else:
-            query = LookupQuery(
-                rid, tokens, key.salt, _extra_for(key.extra_keys, len(tokens), self)
-            )
-            if self.async_lookups:
-                client = self._client()
-                future = self._pool().submit(client.lookup, query)
-                late = getattr(client, "timeout_s", ASYNC_LOOKUP_TIMEOUT_S) + LATE_GRACE_S
-                self._lookups[rid] = (future, time.monotonic() + late)
-                return None
-            hit = self._client().lookup(query)
+        hit = self.lookups.ask(
+            rid,
+            lambda: LookupQuery(
+                rid,
+                tokens,
+                key.salt,
+                chunk_extra_keys(key.extra_keys, len(tokens), self.chunk_size),
+            ),
+        )
+        if hit is None:
+            return None  # in flight: vLLM asks again at a later step
         # vLLM must compute >= 1 token, and a hit ends on a block boundary like vLLM's own
         # prefix-cache hits: some CPU attention kernels (AMX) round differently when a prefill
         # starts mid-block, so a mid-block hit could change greedy output versus no cache.
@@ -258,7 +220,7 @@ class SchedulerSide:
         )
         return need
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: SchedulerRequest, num_external_tokens: int) -> None:
         """Remember the request; arm its load when vLLM accepted external tokens."""
         rid = str(getattr(request, "request_id", "?"))
 
@@ -274,7 +236,7 @@ class SchedulerSide:
 
         self._guard("update_state_after_alloc", rid, None, _update)
 
-    def build_connector_meta(self, scheduler_output: Any) -> LMCacheConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMCacheConnectorMetadata:
         """Per-step metadata: loads of newly scheduled requests, saves of computed tokens,
         preempted requests. A request whose part fails is left out (a miss, never an error)."""
         meta = LMCacheConnectorMetadata()
@@ -283,7 +245,7 @@ class SchedulerSide:
                 self._forget(str(req_id))
             meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
             meta.finished, self._finished_saves = self._finished_saves, []
-            num_sched = scheduler_output.num_scheduled_tokens
+            num_scheduled = scheduler_output.num_scheduled_tokens
             new_reqs = list(scheduler_output.scheduled_new_reqs)
             cached = scheduler_output.scheduled_cached_reqs
             cached_ids = list(cached.req_ids)
@@ -295,18 +257,20 @@ class SchedulerSide:
                 "build_connector_meta",
                 str(new.req_id),
                 None,
-                partial(self._new, meta, new, num_sched),
+                partial(self._new, meta, new, num_scheduled),
             )
         for i, req_id in enumerate(cached_ids):
             self._guard(
                 "build_connector_meta",
                 str(req_id),
                 None,
-                partial(self._cached, meta, cached, i, req_id, num_sched),
+                partial(self._cached, meta, cached, i, req_id, num_scheduled),
             )
         return meta
 
-    def _new(self, meta: LMCacheConnectorMetadata, new: Any, num_sched: Any) -> None:
+    def _new(
+        self, meta: LMCacheConnectorMetadata, new: NewRequestData, num_scheduled: Mapping[str, int]
+    ) -> None:
         rid = str(new.req_id)
         prompt = new.prompt_token_ids or []
         if not isinstance(prompt, list):
@@ -314,7 +278,7 @@ class SchedulerSide:
         request = self._requests.get(rid)
         load = self._load_specs.pop(rid, None)
         key = self._key(request) if request is not None else RequestKey(skip_reason="unknown")
-        if key.skip_reason is not None:
+        if key.skip_reason is not None or request is None:
             return
         hit_saved = 0
         if load is not None:
@@ -328,11 +292,16 @@ class SchedulerSide:
             extra_keys=key.extra_keys,
         )
         self._trackers[rid] = tracker
-        computed_end = int(new.num_computed_tokens) + int(num_sched.get(new.req_id, 0))
+        computed_end = int(new.num_computed_tokens) + int(num_scheduled.get(new.req_id, 0))
         self._add(meta, tracker, prompt, computed_end, load, request)
 
     def _cached(
-        self, meta: LMCacheConnectorMetadata, cached: Any, i: int, req_id: Any, num_sched: Any
+        self,
+        meta: LMCacheConnectorMetadata,
+        cached: CachedRequestData,
+        i: int,
+        req_id: str,
+        num_scheduled: Mapping[str, int],
     ) -> None:
         rid = str(req_id)
         tracker = self._trackers.get(rid)
@@ -346,7 +315,7 @@ class SchedulerSide:
         elif new_blocks:
             tracker.block_ids.extend(new_blocks[0])
         load = self._load_specs.pop(rid, None) if resumed else None
-        computed_end = int(cached.num_computed_tokens[i]) + int(num_sched.get(req_id, 0))
+        computed_end = int(cached.num_computed_tokens[i]) + int(num_scheduled.get(req_id, 0))
         self._add(meta, tracker, None, computed_end, load, request)
 
     def _save_spec(self, tracker: Tracker, computed_end: int) -> SaveSpec | None:
@@ -373,7 +342,7 @@ class SchedulerSide:
         prompt: list[int] | None,
         computed_end: int,
         load: LoadSpec | None,
-        request: Any,
+        request: SchedulerRequest,
     ) -> None:
         if load is not None and load.load_end <= load.vllm_cached:
             load = None
@@ -399,28 +368,20 @@ class SchedulerSide:
                 token_ids=tokens,
                 block_ids=list(tracker.block_ids),
                 salt=tracker.salt,
-                extra_keys=_extra_for(tracker.extra_keys, len(tokens), self),
+                extra_keys=chunk_extra_keys(tracker.extra_keys, len(tokens), self.chunk_size),
                 load=load,
                 save=save,
             )
         )
 
-    def _pool(self) -> ThreadPoolExecutor:
-        """Threads of asynchronous lookups (each call returns by its deadline: none is held)."""
-        if self._lookup_pool is None:
-            self._lookup_pool = ThreadPoolExecutor(
-                LOOKUP_THREADS, thread_name_prefix="lmcache-lookup"
-            )
-        return self._lookup_pool
-
     def _forget(self, rid: str) -> Tracker | None:
-        self._lookups.pop(rid, None)  # an answer still in flight is dropped unread
+        self.lookups.forget(rid)  # an answer still in flight is dropped unread
         self._requests.pop(rid, None)
         self._load_specs.pop(rid, None)
         self._keys.pop(rid, None)
         return self._trackers.pop(rid, None)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> None:
+    def request_finished(self, request: SchedulerRequest, block_ids: list[int]) -> None:
         """Forget the request (its worker-side leases go with ``finished_req_ids``), after
         noting the save of chunks that its last step completed with accepted speculative
         tokens (:meth:`_save_finished`)."""
@@ -429,7 +390,7 @@ class SchedulerSide:
         self._guard("request_finished", rid, None, save)
         self._guard("request_finished", rid, None, lambda: self._forget(rid))
 
-    def _save_finished(self, request: Any, rid: str, block_ids: list[int]) -> None:
+    def _save_finished(self, request: SchedulerRequest, rid: str, block_ids: list[int]) -> None:
         """Speculative decoding: the draft tokens that vLLM accepted in a request's last step
         were unknown when that step's save was planned, so a chunk they completed is saved
         now, from ``block_ids`` (vLLM's blocks of the request, freed when this returns). The
@@ -453,22 +414,25 @@ class SchedulerSide:
                 token_ids=tokens,
                 block_ids=[int(b) for b in block_ids],
                 salt=tracker.salt,
-                extra_keys=_extra_for(tracker.extra_keys, len(tokens), self),
+                extra_keys=chunk_extra_keys(tracker.extra_keys, len(tokens), self.chunk_size),
                 save=save,
             )
         )
 
     def reset_cache(self) -> bool:
         """Ask every worker rank to drop this engine's chunks."""
-        return self._guard("reset_cache", "*", False, lambda: self._client().clear())
+        return self._guard("reset_cache", "*", False, lambda: self.lookups.get_client().clear())
 
     def take_stats(self) -> dict[str, float] | None:
         """Counters since the last call (``None`` when nothing happened)."""
-        client = self._lookup_client
+        client = self.lookups.client
         if client is not None:  # ranks that missed the client's deadline
             timeouts = int(getattr(client, "timeouts", 0))
             self.stats["lookup_timeouts"] += timeouts - self._client_timeouts
             self._client_timeouts = timeouts
+        late = self.lookups.late  # lookups still pending past their deadline
+        self.stats["lookup_timeouts"] += late - self._late_lookups
+        self._late_lookups = late
         if not any(self.stats.values()):
             return None
         out = {k: float(v) for k, v in self.stats.items()}
@@ -477,29 +441,4 @@ class SchedulerSide:
 
     def close(self) -> None:
         """Close the lookup connections (idempotent)."""
-        self._lookups.clear()
-        if self._lookup_pool is not None:
-            self._lookup_pool.shutdown(wait=False, cancel_futures=True)
-            self._lookup_pool = None
-        if self._lookup_client is not None:
-            self._lookup_client.close()
-            self._lookup_client = None
-
-
-def _skips_reading(request: Any) -> bool:
-    """Whether vLLM must compute every prompt token of ``request`` itself: it asks for prompt
-    logprobs, or sets ``skip_reading_prefix_cache`` (vLLM's own prefix cache skips such requests;
-    vLLM 0.32 also drops a connector's hit for them, 0.26 would take it)."""
-    skip = getattr(request, "skip_reading_prefix_cache", None)
-    if isinstance(skip, bool):
-        return skip
-    params = getattr(request, "sampling_params", None)
-    return params is not None and getattr(params, "prompt_logprobs", None) is not None
-
-
-def _extra_for(extra_keys: dict[int, bytes], num_tokens: int, side: Any) -> dict[int, bytes]:
-    """The extra keys of the chunks that ``num_tokens`` tokens cover."""
-    if not extra_keys:
-        return {}
-    chunks = -(-num_tokens // side.chunk_size)
-    return {i: e for i, e in extra_keys.items() if i < chunks}
+        self.lookups.close()

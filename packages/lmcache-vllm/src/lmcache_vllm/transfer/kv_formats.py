@@ -4,8 +4,8 @@ canonical rows ``[num_tokens, kv_width]`` (all K heads, then all V heads).
 
 ``cache`` is one layer as vLLM hands it: ``[num_blocks, num_kv_heads, block_size, C]`` for
 ``kv_concat`` and ``cpu_kt_v``, ``[num_blocks, block_size, latent]`` for ``mla`` (see
-:mod:`lmcache_vllm.gpu_connector` for what each format means). ``blocks`` and ``offs`` are
-``[num_tokens]`` int64 on the cache's device. These are the reference the fast paths are tested
+:mod:`lmcache_vllm.transfer.paged_connector` for what each format means). ``blocks`` and ``offs``
+are ``[num_tokens]`` int64 on the cache's device. These are the reference the fast paths are tested
 against, and the path for tokens the fast paths do not cover. This module never imports vLLM.
 """
 
@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 KV_FORMATS = ("kv_concat", "cpu_kt_v", "cpu_amx", "mla")
-"""Block formats :class:`~lmcache_vllm.gpu_connector.VLLMPagedConnector` understands."""
+"""Block formats :class:`~lmcache_vllm.transfer.paged_connector.VLLMPagedConnector` understands."""
 
 
 def describe(t: torch.Tensor) -> str:

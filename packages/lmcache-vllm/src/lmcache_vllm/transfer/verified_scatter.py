@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Chunk checksums on the device for the fused path: sums on store, verified scatters on load.
 
-:class:`ChunkChecksums` belongs to one :class:`~lmcache_vllm.fused_transfer.FusedTransfer` on a
-device with streams. It uses the ``torch.ops.lmcache`` kernels through :mod:`lmcache.gpu_ops`
+:class:`ChunkChecksums` belongs to one :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer`
+on a device with streams. It uses the ``torch.ops.lmcache`` kernels through :mod:`lmcache.gpu_ops`
 (the pure-torch reference where the extension is absent).
 
 - **Store.** Once a call's gathers have filled the chunk-major staging buffer, one
@@ -36,8 +36,8 @@ from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 
 if TYPE_CHECKING:
     from lmcache.devices import DeviceBackend
-    from lmcache_vllm.fused_plan import StagingPlan
-    from lmcache_vllm.paged_cache import PagedKVCache
+    from lmcache_vllm.transfer.fused_plan import StagingPlan
+    from lmcache_vllm.transfer.paged_cache import PagedKVCache
 
 __all__ = ["ChunkChecksums", "LoadIndex"]
 

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The slot indices of :class:`~lmcache_vllm.fused_transfer.FusedTransfer`'s gathers and scatters.
+"""The slot indices of :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer`'s gathers and
+scatters.
 
 :class:`SlotIndices` turns a call's slot mapping into the device index tensor of its staging
 tokens (slots, or ``(block, offset)`` pairs), checking every slot: a host slot mapping on the host
@@ -17,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcache.gpu_connector.interface import TransferSpec
-from lmcache_vllm.fused_plan import StagingPlan
-from lmcache_vllm.paged_cache import PagedKVCache
+from lmcache_vllm.transfer.fused_plan import StagingPlan
+from lmcache_vllm.transfer.paged_cache import PagedKVCache
 
 if TYPE_CHECKING:
     from lmcache.devices import DeviceBackend

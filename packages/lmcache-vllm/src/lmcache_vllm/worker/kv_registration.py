@@ -5,15 +5,15 @@
 reads the geometry from the real tensors (shape and dtype, never assumed) and every
 configuration fact that changes the KV bytes (model, revision, quantization, KV-cache dtype,
 tensor-parallel rank, and a digest of the effective model configuration and of the weights,
-:func:`lmcache.model_identity.model_digest`) into :class:`~lmcache.metadata.LMCacheMetadata`, whose fingerprint seeds
-every chunk key. :func:`check_kv_cache_groups` refuses a KV cache of several groups (vLLM's
-hybrid KV cache manager), whose layers do not share one block table.
+:func:`lmcache.model_identity.model_digest`) into :class:`~lmcache.metadata.LMCacheMetadata`, whose
+fingerprint seeds every chunk key. :func:`check_kv_cache_groups` refuses a KV cache of several
+groups (vLLM's hybrid KV cache manager), whose layers do not share one block table.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,8 +24,11 @@ from lmcache.metadata import LMCacheMetadata
 from lmcache.metrics import LMCacheMetrics
 from lmcache.model_identity import hf_config_dict, model_digest
 from lmcache.tiers import process_cpu_tier
-from lmcache_vllm.cpu_layout_probe import probe_cpu_kv_format
+from lmcache_vllm.transfer.cpu_layout_probe import probe_cpu_kv_format
 from lmcache_vllm.utils import calculate_local_rank_and_world_size
+
+if TYPE_CHECKING:
+    from lmcache_vllm.vllm_types import KVCacheConfig
 
 __all__ = [
     "build_engine",
@@ -47,7 +50,7 @@ def _layer_index(name: str, fallback: int) -> int:
         return fallback
 
 
-def check_kv_cache_groups(kv_cache_config: Any) -> None:
+def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
     """Refuse an engine whose KV cache has several groups (vLLM's hybrid KV cache manager).
 
     Each group has its own block table; lmcache moves every layer through one (group 0's), so

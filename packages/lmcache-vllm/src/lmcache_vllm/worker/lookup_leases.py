@@ -10,7 +10,7 @@ checked once, at lookup. The load uses them and releases them; so do the request
 newer lookup of the same request, and a timeout for requests that vanished (counted).
 
 A lookup may still be running when its request ends (aborted while its lookup reads a slow disk,
-or past the scheduler's deadline): :meth:`HeldHits.finish` remembers ended requests for a while,
+or past the scheduler's deadline): :meth:`LookupLeases.finish` remembers ended requests for a while,
 so a lease put for one of them afterwards is released at once instead of waiting for the
 timeout. vLLM makes every request id unique (a random suffix), so an id never comes back.
 
@@ -46,7 +46,7 @@ import numpy.typing as npt
 
 from lmcache.held_hit import HeldHit
 
-__all__ = ["HeldHits", "LookedUp"]
+__all__ = ["LookupLeases", "LookedUp"]
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class _Held:
     looked_up: LookedUp | None = None
 
 
-class HeldHits:
+class LookupLeases:
     """Leased lookup hits by request id (thread-safe: the lookup server thread puts, the
     worker's step pops).
 

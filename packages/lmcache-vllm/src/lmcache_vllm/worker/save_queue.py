@@ -16,18 +16,24 @@ is two jobs after its plan:
    It reads host memory only.
 
 vLLM may reuse a request's blocks once it finished or was preempted, but only a *later* step
-writes them, and every step starts with :meth:`SaveQueue.wait_read` (the worker's
-``bind_connector_metadata``): it waits on the host until every queued copy has released its
-fence (normally at once: enqueueing takes well under a millisecond) and returns their events,
-which the step's streams wait on *on the device*. So a block is never rewritten while a save
-reads it, the step never waits on the host for a transfer, and vLLM frees blocks at once
-(``request_finished`` returns ``False``), as its own OffloadingConnector does.
+writes them.
+Every step starts with :meth:`SaveQueue.wait_read` (the worker's ``bind_connector_metadata``).
+It waits on the host until every queued copy has released its fence, normally at once, since
+enqueueing takes well under a millisecond.
+It returns their events, which the step's streams wait on *on the device*.
+So a block is never rewritten while a save reads it, and the step never waits on the host for a
+transfer.
+vLLM therefore frees blocks at once (``request_finished`` returns ``False``), as its own
+OffloadingConnector does.
 
 On CUDA a commit's Python (publishing a step's chunks: about a millisecond for a 16k-token save)
-is held back by a :class:`QuietGate` until vLLM's thread is likely waiting on the device (a later
-forward is enqueued and still running), so it does not compete for the GIL with the scheduling
-and input preparation of the next step, while the GPU waits for them. Anyone who needs the
-chunks published (a lookup of the same prompt, a reset, shutdown) hurries the gate.
+is held back by a :class:`QuietGate`.
+The gate opens once vLLM's thread is likely waiting on the device (a later forward is enqueued
+and still running).
+The commit then does not compete for the GIL with the scheduling and input preparation of the
+next step, while the GPU waits for them.
+Anyone who needs the chunks published (a lookup of the same prompt, a reset, shutdown) hurries
+the gate.
 
 A job that raises is logged and dropped (its chunks are not stored); the threads never die of it.
 """
@@ -86,13 +92,19 @@ class QuietGate:
     vLLM's thread enqueues a forward, then waits for the GPU; when the GPU is done, vLLM's
     thread processes the output and schedules and prepares the next step while the GPU idles.
     A background thread running Python then (holding the GIL) delays that thread, and the GPU
-    with it. (With vLLM's asynchronous scheduling the next step is usually enqueued before the
-    current one finishes, so under load the gate is open nearly always; it matters when the
-    engine runs one request at a time and between batches.) The worker calls
-    :meth:`forward_enqueued` with a CUDA event recorded after each forward it enqueued; a commit
-    waits in :meth:`wait` until the latest such event has not completed yet (the GPU is busy with
-    a forward, vLLM's thread waits on it), someone hurries (:meth:`hurry`: a lookup of the
-    chunks, a reset, shutdown), or :attr:`max_wait_s` passed (the engine went idle).
+    with it.
+    With vLLM's asynchronous scheduling the next step is usually enqueued before the current one
+    finishes, so under load the gate is open nearly always.
+    It matters when the engine runs one request at a time, and between batches.
+
+    The worker calls :meth:`forward_enqueued` with a CUDA event recorded after each forward it
+    enqueued.
+    A commit waits in :meth:`wait` until one of these holds:
+
+    - the latest such event has not completed yet (the GPU is busy with a forward, and vLLM's
+      thread waits on it);
+    - someone hurries (:meth:`hurry`: a lookup of the chunks, a reset, shutdown);
+    - :attr:`max_wait_s` passed (the engine went idle).
 
     Args:
         max_wait_s: Longest a commit is held back.

@@ -10,7 +10,7 @@ import torch
 from lmcache.gpu_connector import TransferSpec
 from lmcache_vllm.connector_metadata import ReqMeta
 
-__all__ = ["LoadOutcome", "load_outcome", "load_plan", "skip_mask", "slot_mapping"]
+__all__ = ["LoadOutcome", "load_outcome", "load_plan", "save_mask", "skip_mask", "slot_mapping"]
 
 
 def slot_mapping(block_ids: list[int], block_size: int, num_tokens: int) -> torch.Tensor:
@@ -30,6 +30,14 @@ def skip_mask(num_tokens: int, skip: int, chunk_size: int) -> torch.Tensor:
     mask = torch.ones(num_tokens, dtype=torch.bool)
     mask[: skip // chunk_size * chunk_size] = False
     return mask
+
+
+def save_mask(num_tokens: int, skip: int, chunk_size: int) -> torch.Tensor | None:
+    """A save's mask, or ``None`` (every chunk) when ``skip`` covers no whole chunk.
+
+    ``None`` spares the engine building and checking a mask for most saves.
+    """
+    return skip_mask(num_tokens, skip, chunk_size) if skip >= chunk_size else None
 
 
 def load_plan(

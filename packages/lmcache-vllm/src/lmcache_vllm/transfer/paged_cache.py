@@ -1,14 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the transfer strategies of :class:`~lmcache_vllm.gpu_connector.VLLMPagedConnector` share.
+"""What the transfer strategies of
+:class:`~lmcache_vllm.transfer.paged_connector.VLLMPagedConnector` share.
 
 - :class:`PagedKVCache`: the engine's paged KV cache as the connector found and checked it (the
   per-layer views, their block format, block size, heads and dtype), handed to a strategy at
   construction. A strategy reads nothing else of the connector.
 - :class:`PagedTransfer`: what a strategy does, "layers ``range(a, b)`` of these chunks" in each
-  direction. The strategies are :class:`~lmcache_vllm.fused_transfer.FusedTransfer` (all
-  layers per op, chunk-major staging), :class:`~lmcache_vllm.cpu_block_transfer.CpuBlockTransfer`
-  (vLLM's CPU block formats, block by block) and
-  :class:`~lmcache_vllm.token_transfer.TokenTransfer` (layer by layer, token by token: the
+  direction. The strategies are :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer` (all
+  layers per op, chunk-major staging),
+  :class:`~lmcache_vllm.transfer.cpu_block_transfer.CpuBlockTransfer` (vLLM's CPU block formats,
+  block by block) and
+  :class:`~lmcache_vllm.transfer.token_transfer.TokenTransfer` (layer by layer, token by token: the
   reference).
 - :func:`fuse_layers`: all layers as one strided view when they are views of one buffer.
 - :func:`wait_for_transfer`: the blocking wait for a transfer's stream.
@@ -40,7 +42,7 @@ class PagedKVCache:
         caches: Per-layer views in layer order: ``[num_blocks, num_kv_heads, block_size,
             head_size_k + head_size_v]`` (``kv_concat``, ``cpu_kt_v``, ``cpu_amx``) or
             ``[num_blocks, block_size, latent]`` (``mla``), all of one shape, dtype and device.
-        kv_format: The block format (:data:`lmcache_vllm.kv_formats.KV_FORMATS`).
+        kv_format: The block format (:data:`lmcache_vllm.transfer.kv_formats.KV_FORMATS`).
         block_size: Tokens per block (axis -2 of every view).
         num_blocks: Blocks per layer (axis 0).
         num_kv_heads: KV heads per token (1 for MLA).

@@ -12,10 +12,10 @@ With ``use_layerwise``:
   stream, recording an event per group, so later layers copy while earlier ones compute;
   ``wait_for_layer_load(i)`` only makes the compute stream wait for layer ``i``'s group (no host
   wait). A hit's host-to-device copy normally started at its lookup, on :attr:`copy_stream`, in
-  the same groups (``VLLMPagedConnector.prefetch``); the load stream then only scatters, each group as
-  soon as its copy is in. On the CPU the copies run in ``start_load_kv``.
+  the same groups (``VLLMPagedConnector.prefetch``); the load stream then only scatters, each group
+  as soon as its copy is in. On the CPU the copies run in ``start_load_kv``.
 - **Saves are queued.** ``save_kv_layer(i)`` records an event after layer ``i``'s compute (CUDA)
-  and queues the copy of that layer on the :class:`~lmcache_vllm.save_queue.SaveQueue`'s copy
+  and queues the copy of that layer on the :class:`~lmcache_vllm.worker.save_queue.SaveQueue`'s copy
   thread, returning at once. On CUDA the copy thread only *enqueues* it (on a store stream that
   waits for the event) and releases the layer's read fence as soon as its gather is enqueued,
   as for batched saves: the next step's ``bind_connector_metadata`` never waits on the host for
@@ -36,7 +36,7 @@ import torch
 from lmcache.devices import DeviceBackend, get_backend
 from lmcache.gpu_connector import TransferSpec
 from lmcache_vllm.connector_metadata import ReqMeta
-from lmcache_vllm.save_queue import CommitJob, ReadFence, SaveQueue
+from lmcache_vllm.worker.save_queue import CommitJob, ReadFence, SaveQueue
 
 if TYPE_CHECKING:
     from lmcache.cache_engine import HeldHit, LayerwiseRetrieve, LayerwiseStore

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The layer-by-layer, token-by-token transfer strategy of
-:class:`~lmcache_vllm.gpu_connector.VLLMPagedConnector`.
+:class:`~lmcache_vllm.transfer.paged_connector.VLLMPagedConnector`.
 
-Every block format of :mod:`lmcache_vllm.kv_formats` works here: each layer's moved tokens are
-gathered (scattered) by ``(block, offset)`` through the format's token-level reference, via a
+Every block format of :mod:`lmcache_vllm.transfer.kv_formats` works here: each layer's moved tokens
+are gathered (scattered) by ``(block, offset)`` through the format's token-level reference, via a
 ``[layers, tokens, kv_width]`` staging tensor (on the cache's device with
 ``config.gpu_staging_buffer``, else on the host). The connector uses it where no faster path
 applies (layers in separate buffers with different strides, ``cpu_amx``, ``cpu_kt_v`` on a GPU,
@@ -20,8 +20,8 @@ import torch
 
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 from lmcache.gpu_connector.layer_range import moved_tokens, transfer_stream
-from lmcache_vllm.kv_formats import gather_layer, scatter_layer
-from lmcache_vllm.paged_cache import PagedKVCache, wait_for_transfer
+from lmcache_vllm.transfer.kv_formats import gather_layer, scatter_layer
+from lmcache_vllm.transfer.paged_cache import PagedKVCache, wait_for_transfer
 
 if TYPE_CHECKING:
     from lmcache.devices import DeviceBackend

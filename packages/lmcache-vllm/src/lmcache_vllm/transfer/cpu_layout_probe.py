@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Which block format vLLM's CPU attention writes, found by running its own cache-write kernel.
 
-vLLM's CPU attention does not store K‖V on the last axis: per (block, head) it keeps K transposed
-(``[head_size, block_size]``) followed by V (``[block_size, head_size]``) — the ``cpu_kt_v``
-format of :mod:`lmcache_vllm.gpu_connector`; its ``amx`` kernels (bf16 on AMX CPUs) VNNI-pack
-both (``cpu_amx``), and other builds might differ again, so
-at ``register_kv_caches`` the adapter writes known keys and values into a scratch cache with
-vLLM's ``cpu_attn_reshape_and_cache`` and checks which format reads them back.
+vLLM's CPU attention does not store K‖V on the last axis.
+Per (block, head) it keeps K transposed (``[head_size, block_size]``) followed by V
+(``[block_size, head_size]``): the ``cpu_kt_v`` format of
+:mod:`lmcache_vllm.transfer.paged_connector`.
+Its ``amx`` kernels (bf16 on AMX CPUs) VNNI-pack both (``cpu_amx``).
+Other builds might differ again.
+So at ``register_kv_caches`` the adapter writes known keys and values into a scratch cache with
+vLLM's ``cpu_attn_reshape_and_cache``, and checks which format reads them back.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ __all__ = ["probe_cpu_kv_format"]
 
 
 def probe_cpu_kv_format(vllm_config: Any, layer_names: list[str], cache: torch.Tensor) -> str:
-    """Which block format vLLM's CPU cache-write kernel uses here (see gpu_connector)."""
-    from lmcache_vllm.gpu_connector import VLLMPagedConnector
-    from lmcache_vllm.kv_formats import gather_layer
+    """Which block format vLLM's CPU cache-write kernel uses here (see paged_connector)."""
+    from lmcache_vllm.transfer.kv_formats import gather_layer
+    from lmcache_vllm.transfer.paged_connector import VLLMPagedConnector
 
     try:
         from vllm import _custom_ops as ops

@@ -31,13 +31,23 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from lmcache.model_identity import hub_snapshot
 
-__all__ = ["ADAPTER_FILES", "RequestKey", "RequestKeyer", "adapter_folder"]
+if TYPE_CHECKING:
+    from lmcache_vllm.vllm_types import SchedulerRequest
+
+__all__ = [
+    "ADAPTER_FILES",
+    "RequestKey",
+    "RequestKeyer",
+    "adapter_folder",
+    "chunk_extra_keys",
+    "skips_reading",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +80,7 @@ class RequestKeyer:
         self.chunk_size = chunk_size
         self._adapter_digests: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
 
-    def key(self, request: Any) -> RequestKey:
+    def key(self, request: SchedulerRequest) -> RequestKey:
         """Key material of ``request`` (a vLLM ``Request`` or anything with its attributes).
 
         Raises:
@@ -182,3 +192,24 @@ def _stat(path: Path) -> os.stat_result | None:
         return path.stat()
     except OSError:
         return None
+
+
+def skips_reading(request: SchedulerRequest) -> bool:
+    """Whether vLLM must compute every prompt token of ``request`` itself: it asks for prompt
+    logprobs, or sets ``skip_reading_prefix_cache`` (vLLM's own prefix cache skips such requests;
+    vLLM 0.32 also drops a connector's hit for them, 0.26 would take it)."""
+    skip = getattr(request, "skip_reading_prefix_cache", None)
+    if isinstance(skip, bool):
+        return skip
+    params = getattr(request, "sampling_params", None)
+    return params is not None and getattr(params, "prompt_logprobs", None) is not None
+
+
+def chunk_extra_keys(
+    extra_keys: dict[int, bytes], num_tokens: int, chunk_size: int
+) -> dict[int, bytes]:
+    """The extra keys of the chunks that ``num_tokens`` tokens cover."""
+    if not extra_keys:
+        return {}
+    chunks = -(-num_tokens // chunk_size)
+    return {i: e for i, e in extra_keys.items() if i < chunks}

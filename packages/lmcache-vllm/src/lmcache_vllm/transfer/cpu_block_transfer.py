@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The transfer strategy of :class:`~lmcache_vllm.gpu_connector.VLLMPagedConnector` for vLLM's CPU
-attention block format ``cpu_kt_v`` (:class:`CpuBlockTransfer`): block by block, straight between
-the cache and the chunk buffers.
+"""The transfer strategy of :class:`~lmcache_vllm.transfer.paged_connector.VLLMPagedConnector` for
+vLLM's CPU attention block format ``cpu_kt_v`` (:class:`CpuBlockTransfer`): block by block,
+straight between the cache and the chunk buffers.
 
 On a CPU engine the chunk buffers are already in host memory, so nothing is staged: each op
 reads or writes the chunk buffers directly. Tokens move a whole block at a time wherever a run of
@@ -16,11 +16,11 @@ blocks, or several whole chunks whose buffers lie back to back in one pool slab.
 
 Tokens that do not fill a block (a range that starts or ends mid-block, ``skip_tokens``
 mid-block, slots out of order) go through the token-level reference of
-:mod:`lmcache_vllm.kv_formats`, layer by layer.
+:mod:`lmcache_vllm.transfer.kv_formats`, layer by layer.
 
 The connector creates a :class:`CpuBlockTransfer` from the
-:class:`~lmcache_vllm.paged_cache.PagedKVCache` it checked, for ``cpu_kt_v`` caches on a CPU
-engine. This module never imports vLLM.
+:class:`~lmcache_vllm.transfer.paged_cache.PagedKVCache` it checked, for ``cpu_kt_v`` caches on a
+CPU engine. This module never imports vLLM.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
-from lmcache_vllm.kv_formats import gather_layer, scatter_layer
-from lmcache_vllm.paged_cache import PagedKVCache, fuse_layers
+from lmcache_vllm.transfer.kv_formats import gather_layer, scatter_layer
+from lmcache_vllm.transfer.paged_cache import PagedKVCache, fuse_layers
 
 __all__ = ["CpuBlockTransfer"]
 

@@ -1,0 +1,12 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The scheduler side of the connector: what to load and save for each request.
+
+It runs in vLLM's engine-core process, on the scheduler's thread.
+Lookups that may read a disk or remote tier run on a small thread pool of their own.
+:mod:`~lmcache_vllm.scheduler.side` holds ``SchedulerSide``, the object vLLM's scheduler calls.
+:mod:`~lmcache_vllm.scheduler.request_keys` says what of a request, besides its tokens, enters
+the chunk keys.
+The lookup client (:mod:`~lmcache_vllm.scheduler.lookup_client`) asks every worker rank how many
+leading tokens lmcache holds.
+Nothing here touches the KV cache, and nothing here may raise into vLLM.
+"""

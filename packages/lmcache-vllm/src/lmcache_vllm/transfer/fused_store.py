@@ -1,0 +1,191 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The store side of the fused all-layer path: KV out of vLLM's pages into the chunks.
+
+A store gathers every layer of the chunks into device staging, then copies it to the host.
+With checksums on, the ``gather_kv`` kernel sums each chunk in the same pass.
+A step's batched saves plan their store ahead (:meth:`FusedStore.prepare_store`), while the
+step computes.
+This module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lmcache import gpu_ops
+from lmcache.gpu_connector.checksums import StoreChecksums
+from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
+from lmcache_vllm.transfer.fused_plan import PreparedStore
+from lmcache_vllm.transfer.fused_views import FusedViews
+
+__all__ = ["FusedStore"]
+
+
+def _no_check() -> None:
+    """The check of a kernel store's slots: done on the host when its index was built."""
+
+
+class FusedStore(FusedViews):
+    """The store side of :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer`."""
+
+    def _store_pieces(self, transfer: TransferSpec) -> int:
+        """``piece_bytes`` of a store's plan: a deferred store (nobody waits for it) in one
+        piece, one gather and its DMAs with no side-stream hops (fewer launches on the save
+        thread); else the default pipelining (:meth:`_piece_bytes`)."""
+        deferred = transfer.deferred and transfer.stream is not None
+        return 0 if deferred and self.backend.has_streams else -1
+
+    def plans_ahead(self, transfer: TransferSpec) -> bool:
+        """Whether :meth:`prepare_store` can do a store's host side ahead: CUDA, and a slot
+        mapping on the host (a device one is checked through a buffer each call reuses)."""
+        return self.backend.has_streams and transfer.slot_mapping.device.type == "cpu"
+
+    def prepare_store(
+        self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> PreparedStore | None:
+        """The host side of a later all-layer :meth:`from_cache` of ``chunks`` (checked by
+        the caller), done ahead: the plan, and the slot indices uploaded on ``transfer.stream``;
+        ``None`` unless :meth:`plans_ahead`."""
+        if not self.plans_ahead(transfer):
+            return None
+        layers = range(self.num_layers)
+        if self._sums is not None and self._kernel_store(transfer):
+            plan = self._plan(layers, chunks, 0, 0)
+            with self._stream_ctx(transfer):
+                index = self._sums.load_index(plan, chunks, transfer)
+                uploaded = self.backend.event_after(self.backend.current_stream(self.device))
+            return PreparedStore(
+                layers, chunks, transfer.slot_mapping, plan, index.slots, _no_check, uploaded,
+                kernel_index=index,
+            )  # fmt: skip
+        plan = self._plan(layers, chunks, 0, self._store_pieces(transfer))
+        with self._stream_ctx(transfer):
+            idx, check = self._fused_indices(plan, transfer)
+            uploaded = self.backend.event_after(self.backend.current_stream(self.device))
+        return PreparedStore(layers, chunks, transfer.slot_mapping, plan, idx, check, uploaded)
+
+    def checked_ahead(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> bool:
+        """A copy of the very chunk list and slot mapping that :meth:`prepare_store` planned
+        (checked by its caller; a step's batched saves): no second check of every chunk."""
+        prep = transfer.prepared
+        return (
+            isinstance(prep, PreparedStore)
+            and prep.chunks is chunks
+            and prep.slots is transfer.slot_mapping
+        )
+
+    def from_cache(
+        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> StoreChecksums | None:
+        """Copy ``layers`` of the chunks out of the cache; with all layers on a device with
+        streams, also sum each chunk's staged bytes (returned, readable with the bytes)."""
+        backend = self.backend
+        sums: StoreChecksums | None = None
+        summing = self._sums is not None and len(layers) == self.num_layers
+        deferred = transfer.deferred and transfer.stream is not None and backend.has_streams
+        if summing and self._kernel_store(transfer):
+            return self._store_by_kernel(layers, chunks, transfer, deferred)
+        try:
+            prep = transfer.prepared
+            if not isinstance(prep, PreparedStore) or prep.kernel_index is not None:
+                prep = None  # a kernel store's index is raw slots, not this path's indices
+            if prep is not None and prep.matches(layers, chunks, transfer):
+                plan = prep.plan  # planned while the step computed this KV
+            else:
+                plan = self._plan(layers, chunks, 0, self._store_pieces(transfer))
+            if prep is not None and not prep.indexes(plan, transfer):
+                prep = None
+            with self._stream_ctx(transfer):
+                if prep is None:
+                    idx, check = self._fused_indices(plan, transfer)
+                else:
+                    idx, check = prep.idx, prep.check
+                    backend.wait_event(backend.current_stream(self.device), prep.uploaded)
+                staging = torch.empty(
+                    plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
+                )
+                copy = self._copy_stream(plan)
+                if copy is None:
+                    self._gather(plan, staging, layers, idx, -1)
+                    if transfer.on_engine_read is not None:
+                        transfer.on_engine_read()
+                    if summing:
+                        assert self._sums is not None
+                        sums = self._sums.store_sums(plan, staging)
+                    self._copy_runs(plan, staging, to_host=True)
+                else:  # gather piece i + 1 while piece i goes to the host
+                    main = backend.current_stream(self.device)
+                    for piece in range(plan.pieces):
+                        self._gather(plan, staging, layers, idx, piece)
+                        backend.wait_stream(copy, main)
+                        with backend.use_stream(copy):
+                            self._copy_runs(plan, staging, to_host=True, piece=piece)
+                    if transfer.on_engine_read is not None:
+                        transfer.on_engine_read()  # every gather is on main now
+                    if summing:
+                        assert self._sums is not None
+                        sums = self._sums.store_sums(plan, staging)
+                    backend.wait_stream(main, copy)
+            if not deferred:
+                self._sync(transfer)
+            check()
+        except BaseException:
+            if deferred:  # the caller releases the buffers: no queued copy may still fill them
+                self._sync(transfer)
+            raise
+        return sums
+
+    kernel_gather: bool = True
+    """Store all layers through the ``gather_kv`` kernel when the extension is loaded: one
+    launch for every chunk and layer, each chunk's checksum computed in the same pass."""
+
+    def _kernel_store(self, transfer: TransferSpec) -> bool:
+        """Whether a store of all layers goes through :meth:`_store_by_kernel`: the kernel is
+        on and loaded, and the slot mapping is on the host (checked there, with no sync)."""
+        return (
+            self.kernel_gather
+            and transfer.slot_mapping.device.type == "cpu"
+            and gpu_ops.uses_cext(self.device)
+        )
+
+    def _store_by_kernel(
+        self,
+        layers: range,
+        chunks: Sequence[ChunkTransfer],
+        transfer: TransferSpec,
+        deferred: bool,
+    ) -> StoreChecksums:
+        """All layers of every chunk: one ``gather_kv`` launch into staging that also sums
+        each chunk, then the DMAs to the host (their plan prepared ahead when it was)."""
+        assert self._sums is not None
+        backend = self.backend
+        prep = transfer.prepared
+        index = None
+        if isinstance(prep, PreparedStore) and prep.matches(layers, chunks, transfer):
+            plan = prep.plan
+            index = prep.kernel_index
+        else:
+            prep = None
+            plan = self._plan(layers, chunks, 0, 0)
+        try:
+            with self._stream_ctx(transfer):
+                if index is None:
+                    index = self._sums.load_index(plan, chunks, transfer)
+                elif prep is not None:
+                    backend.wait_event(backend.current_stream(self.device), prep.uploaded)
+                staging = torch.empty(
+                    plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
+                )
+                sums = self._sums.gather_with_sums(index, staging)
+                if transfer.on_engine_read is not None:
+                    transfer.on_engine_read()
+                self._copy_runs(plan, staging, to_host=True)
+            if not deferred:
+                self._sync(transfer)
+        except BaseException:
+            if deferred:  # the caller releases the buffers: no queued copy may still fill them
+                self._sync(transfer)
+            raise
+        return sums

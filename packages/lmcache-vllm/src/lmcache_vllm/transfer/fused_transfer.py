@@ -1,0 +1,299 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fused all-layer transfer strategy of
+:class:`~lmcache_vllm.transfer.paged_connector.VLLMPagedConnector`.
+
+It serves ``kv_concat`` and ``mla`` caches whose layers are views of one buffer with a uniform
+step between layers, which is how vLLM allocates them.
+All layers are gathered and scattered through one strided ``[layers, blocks, block_size, ...]``
+view, with one advanced-indexing op per run of equal-sized chunks.
+Every transfer moves all chunks of a request at once, through one *chunk-major* staging buffer
+(on the device when ``config.gpu_staging_buffer``).
+Chunk ``c``'s ``[num_layers, tokens, kv_width]`` block is contiguous there.
+So each chunk, or each run of chunks whose host buffers lie back to back in one pool slab, moves
+in one copy-engine DMA.
+The same part of several chunks at a constant step (a layer group of each chunk) moves in one
+strided 2D copy (``cudaMemcpy2DAsync``).
+The one-row copies of a piece go in one batched call (``cudaMemcpyBatchAsync`` where the runtime
+has it).
+Every copy goes through the connector's device backend (:mod:`lmcache.devices`).
+Slot indices are built once per call.
+They are built on the host when the slot mapping is on the host (the adapter's case: no device
+sync at all), and reach the device through a persistent pinned buffer.
+
+The connector builds :class:`FusedTransfer` from the
+:class:`~lmcache_vllm.transfer.paged_cache.PagedKVCache` it checked and its device backend
+(:meth:`FusedTransfer.for_cache`).
+It reads nothing of the connector.
+Its parts, one module each:
+
+- :mod:`~lmcache_vllm.transfer.fused_plan`: the staging plan.
+- :mod:`~lmcache_vllm.transfer.slot_indices`: the slot indices.
+- :mod:`~lmcache_vllm.transfer.fused_views`: the views, gathers, scatters and host copies.
+- :mod:`~lmcache_vllm.transfer.fused_store`: the store side.
+- this module: the load side (loads, prefetches, checks of hits) and construction.
+
+This module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmcache.gpu_connector.checksums import LoadChecks
+from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
+from lmcache_vllm.transfer.fused_plan import Prefetched, StagingPlan, add_run
+from lmcache_vllm.transfer.fused_store import FusedStore
+from lmcache_vllm.transfer.paged_cache import PagedKVCache
+from lmcache_vllm.transfer.verified_scatter import LoadIndex
+
+if TYPE_CHECKING:
+    from lmcache.devices import DeviceBackend
+
+__all__ = ["FusedTransfer", "Prefetched"]
+
+logger = logging.getLogger(__name__)
+
+
+class FusedTransfer(FusedStore):
+    """The fused all-layer path (see the module docstring).
+
+    Args:
+        cache: A ``kv_concat`` or ``mla`` cache.
+        backend: The cache device's backend: every stream, event, pinned buffer and host copy
+            goes through it.
+
+    Use :meth:`for_cache`, which returns ``None`` when the layers allow no fused views.
+    """
+
+    def __init__(self, cache: PagedKVCache, backend: DeviceBackend) -> None:
+        super().__init__(cache, backend)
+        if self._sums is not None:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Run one store and one verified load of a single page, so that the first request
+        finds streams, pinned index buffers, library symbols and kernels ready.
+
+        The store reads page 0. The load writes the last token of page 0 back with the bytes
+        just read from it (the others are skipped), so no page changes.
+        """
+        n = self.block_size
+        nbytes = self.num_layers * n * self.kv_width * self._caches[0].element_size()
+        host = self.backend.pinned_empty(nbytes).view(self.dtype)
+        chunk = ChunkTransfer(0, n, host.view(self.num_layers, n, self.kv_width))
+        slots = torch.arange(n, dtype=torch.int64)
+        try:
+            sums = self.from_cache(range(self.num_layers), [chunk], TransferSpec(slots))
+            value = sums.values()[0] if sums is not None else None
+            same = TransferSpec(slots, skip_tokens=n - 1)
+            stored = dataclasses.replace(chunk, checksum=value)
+            self.to_cache(range(self.num_layers), [stored], same)
+            self._sync(same)
+        except Exception as exc:  # an optimisation: a first request then pays for it instead
+            logger.warning("lmcache: warm-up transfer failed (%s); continuing without it", exc)
+
+    @property
+    def verifies_checksums(self) -> bool:
+        """Whether stores sum their chunks on the device and loads verify them there (a
+        device with streams)."""
+        return self._sums is not None
+
+    @classmethod
+    def for_cache(cls, cache: PagedKVCache, backend: DeviceBackend) -> FusedTransfer | None:
+        """The fused path of ``cache``, or ``None`` when its layers allow neither one view nor
+        one view per layer (layers that differ in strides)."""
+        fused = cls(cache, backend)
+        return fused if fused._fused_any else None
+
+    def prefetch(
+        self, chunks: Sequence[ChunkTransfer], stream: Any, groups: Sequence[range] = ()
+    ) -> Prefetched | None:
+        """Copy whole chunks (all layers) to a new device staging buffer now, on ``stream``.
+
+        For a load that comes later (pass the result as ``TransferSpec.staged``): the copy
+        overlaps whatever the engine does meanwhile, and the load only scatters. With
+        ``groups`` (consecutive layer ranges from layer 0, e.g. a layerwise load's groups) the
+        copy goes group by group, recording an event after each, so a load of the first layers
+        waits only for their copy. ``None`` unless this is a CUDA connector on the fused path.
+        The chunks' host buffers must not change until the returned event completes (leased
+        chunks never do).
+        """
+        backend = self.backend
+        if not backend.has_streams or not self._fused_any or not chunks:
+            return None
+        full = range(self.num_layers)
+        plan = self._plan(full, chunks, 0, piece_bytes=0)
+        grouped = (  # groups that tile every layer in order; anything else: one copy
+            len(groups) > 1
+            and groups[0].start == 0
+            and groups[-1].stop == full.stop
+            and all(g.step == 1 and g.start < g.stop for g in groups)
+            and all(x.stop == y.start for x, y in itertools.pairwise(groups))
+        )
+        layer_events: list[tuple[int, Any]] = []
+        with backend.use_stream(stream):
+            staging = torch.empty(
+                plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
+            )
+            if grouped:  # layer-major: group g of every chunk, then group g + 1
+                runs = StagingPlan(plan.row_bytes, plan.layer_bytes, [])
+                for piece, group in enumerate(groups):
+                    pos = 0
+                    for c in chunks:
+                        n = c.num_tokens
+                        add_run(
+                            runs,
+                            pos * plan.row_bytes + group.start * n * plan.layer_bytes,
+                            len(group) * n * plan.layer_bytes,
+                            c.buffer[group.start : group.stop],
+                            piece,
+                        )
+                        pos += n
+                    self._copy_runs(runs, staging, to_host=False, piece=piece)
+                    layer_events.append((group.stop, backend.event_after(stream)))
+                event = layer_events[-1][1]
+            else:
+                self._copy_runs(plan, staging, to_host=False)
+                event = backend.event_after(stream)
+        offsets, pos = [], 0
+        for start, end, _ in plan.staged:
+            offsets.append(pos * plan.row_bytes)
+            pos += end - start
+        return Prefetched(staging, plan.staged, offsets, event, stream, layer_events)
+
+    def _fused_to_staged(
+        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> bool | LoadChecks:
+        """Scatter ``layers`` from ``transfer.staged`` when it covers the chunks (waiting only
+        for the copy of those layers); ``False``: not used. Chunks with checksums are verified
+        on the device (:meth:`_verify`)."""
+        pre = transfer.staged
+        backend = self.backend
+        if not isinstance(pre, Prefetched) or not backend.has_streams:
+            return False
+        full = range(self.num_layers)
+        key = [(c.start, c.end, c.buffer.data_ptr()) for c in chunks]
+        cached = pre.scatter_plan
+        verify = self._verifying(chunks)
+        with self._stream_ctx(transfer):
+            if cached is not None and cached[0] is transfer and cached[1] == key:
+                plan, base, idx = cached[2:]  # checked when first built
+            else:
+                plan = self._plan(full, chunks, transfer.skip_tokens, piece_bytes=0)
+                found = pre.base_for(plan)
+                if found is None:
+                    return False
+                base = found
+                if verify:
+                    assert self._sums is not None
+                    idx = self._sums.load_index(plan, chunks, transfer)
+                else:
+                    idx, check = self._fused_indices(plan, transfer)
+                    check()
+                pre.scatter_plan = (transfer, key, plan, base, idx)
+            main = backend.current_stream(self.device)
+            backend.wait_event(main, pre.event_for(layers.stop))
+            if main != pre.stream:
+                backend.record_stream(pre.staging, main)
+            if isinstance(idx, LoadIndex):
+                staged = pre.staging[base : base + plan.total * plan.row_bytes]
+                return self._verify(idx, staged, layers, staging_full=True)
+            self._scatter(plan, pre.staging[base:], full, idx, -1, only=layers)
+        return True
+
+    def verify_chunks(
+        self, chunks: Sequence[ChunkTransfer], stream: Any, prefetched: Prefetched | None
+    ) -> list[bool] | None:
+        """Check whole chunks against their ``checksum`` on the device now, on ``stream``, and
+        wait (``None``: this path computes no checksums). A ``prefetched`` copy that holds the
+        chunks from its first one on is checked in place, after its copy."""
+        if self._sums is None or not chunks:
+            return None
+        staged = None
+        if prefetched is not None and prefetched.chunks[: len(chunks)] == [
+            (c.start, c.end, c.buffer.data_ptr()) for c in chunks
+        ]:
+            self.backend.wait_event(stream, prefetched.event)
+            self.backend.record_stream(prefetched.staging, stream)
+            staged = (prefetched.staging, prefetched.offsets)
+        return self._sums.verify_chunks(chunks, stream, staged)
+
+    def _verifying(self, chunks: Sequence[ChunkTransfer]) -> bool:
+        """Whether a load of ``chunks`` goes through the verified scatter (checksums on the
+        device, and at least one chunk has a stored sum)."""
+        return self._sums is not None and any(c.checksum is not None for c in chunks)
+
+    def _verify(
+        self, index: LoadIndex, staging: torch.Tensor, layers: range, *, staging_full: bool
+    ) -> LoadChecks:
+        """The verified scatter of ``layers`` (all layers: verdicts before the scatter; some:
+        the sums of the bytes moved, compared by the engine at the end)."""
+        assert self._sums is not None
+        if len(layers) == self.num_layers:
+            return self._sums.verified_scatter(index, staging)
+        return self._sums.summed_scatter(index, staging, layers, staging_full=staging_full)
+
+    def to_cache(
+        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> bool | LoadChecks:
+        """Copy ``layers`` of the chunks into the cache; ``False`` when nothing moved. Chunks
+        with checksums go through the verified scatter, whose checks are returned."""
+        if transfer.staged is not None:
+            from_staged = self._fused_to_staged(layers, chunks, transfer)
+            if from_staged is not False:
+                return from_staged
+        verify = self._verifying(chunks)
+        # verified: one piece, since every byte of a chunk must be in before its check
+        plan = self._plan(layers, chunks, transfer.skip_tokens, 0 if verify else -1)
+        if plan.total == 0:
+            return False
+        with self._stream_ctx(transfer):
+            nbytes = plan.total * plan.row_bytes
+            try:
+                staging = self._new_staging(nbytes)
+            except torch.OutOfMemoryError:
+                if len(layers) == 1:
+                    raise
+                if not self._staging_oom_logged:
+                    self._staging_oom_logged = True
+                    logger.warning(
+                        "lmcache: no device memory for a %d MiB load staging buffer (it lies "
+                        "outside vLLM's profiled memory; lower gpu_memory_utilization to leave "
+                        "room); loading such hits one layer at a time",
+                        nbytes >> 20,
+                    )
+                moved = False
+                for layer in layers:  # a 1/len(layers) staging buffer at a time
+                    moved = bool(self.to_cache(range(layer, layer + 1), chunks, transfer)) or moved
+                return moved  # per-layer checks are dropped: the engine verifies on the host
+            if verify:
+                assert self._sums is not None
+                index = self._sums.load_index(plan, chunks, transfer)
+                self._copy_runs(plan, staging, to_host=False)
+                return self._verify(index, staging, layers, staging_full=False)
+            idx, check = self._fused_indices(plan, transfer)
+            copy = self._copy_stream(plan)
+            if copy is None:
+                self._copy_runs(plan, staging, to_host=False)
+                check()
+                self._scatter(plan, staging, layers, idx, -1)
+            else:  # scatter piece i while piece i + 1 comes from the host
+                backend = self.backend
+                main = backend.current_stream(self.device)
+                backend.wait_stream(copy, main)  # staging's memory may have been in use on main
+                done = []
+                with backend.use_stream(copy):
+                    for piece in range(plan.pieces):
+                        self._copy_runs(plan, staging, to_host=False, piece=piece)
+                        done.append(backend.event_after(copy))
+                check()
+                for piece in range(plan.pieces):
+                    backend.wait_event(main, done[piece])
+                    self._scatter(plan, staging, layers, idx, piece)
+        return True

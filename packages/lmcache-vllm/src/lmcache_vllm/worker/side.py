@@ -1,0 +1,438 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker side of the lmcache connector: moves KV between vLLM's pages and lmcache.
+
+One per worker process (vLLM keeps one worker-side connector per process). Per step:
+
+1. :meth:`WorkerSide.bind`: orders this step's writes of vLLM's pages after the reads of the
+   saves queued so far (vLLM may now rewrite freed or preempted blocks): on CUDA the compute
+   stream waits on the device for each save's gather, the host only until the gathers are
+   enqueued; then notes this step's batched saves and releases leases of preempted requests and
+   stale ones. Their planning (chunk keys, host buffers, one copy plan for all of them) is
+   queued on the copy thread at the forward's last layer (:meth:`WorkerSide.save_kv_layer`),
+   once vLLM's thread has enqueued the forward, and runs while the step computes. Earlier,
+   first thing in the step, :meth:`WorkerSide.handle_preemptions` fences preempted requests'
+   blocks and copies chunks of requests that finished at the last step whose tokens became
+   known only after it (speculative decoding), before vLLM rewrites their freed blocks.
+2. :meth:`WorkerSide.start_load_kv`: loads every request's hit from the chunks this rank leased
+   at lookup (:mod:`lmcache_vllm.worker.lookup_leases`). On CUDA the copies are enqueued on a load
+   stream and the compute stream waits for them on the device (batched: all layers at once;
+   layerwise: in layer groups, :meth:`WorkerSide.wait_for_layer_load` orders each layer's
+   compute after its group, :mod:`lmcache_vllm.worker.layerwise_step`); the host waits for them only
+   in ``wait_for_save``, after the forward is enqueued. On the CPU, one synchronous
+   ``LMCacheEngine.retrieve`` per request. Tokens that did not arrive make their blocks a load
+   error (vLLM's ``get_block_ids_with_load_errors``).
+3. :meth:`WorkerSide.wait_for_save`: queues the step's one copy of every planned save on the
+   :class:`~lmcache_vllm.worker.save_queue.SaveQueue` and returns at once (on CUDA the copy is
+   enqueued on a store stream after an event recorded after the step's compute, and the commit
+   thread waits for it to reach the host, then publishes each request's chunks once vLLM's thread is
+   likely waiting on the GPU: :class:`~lmcache_vllm.worker.save_queue.QuietGate`); layerwise,
+   :meth:`WorkerSide.save_kv_layer` queues each layer's copy the same way.
+4. :meth:`WorkerSide.get_finished`: releases finished requests' leases; nothing is held for
+   lmcache, so nothing is reported as finished sending.
+
+The parts live in modules of their own: :mod:`~lmcache_vllm.worker.loads` (loads),
+:mod:`~lmcache_vllm.worker.batched_saves` (batched saves),
+:mod:`~lmcache_vllm.worker.hit_prefetch` (device copies of hits at lookup) and
+:mod:`~lmcache_vllm.worker.layerwise_step` (layerwise loads and saves).
+
+Loads and saves share one transfer lock: a load waits for a save *enqueueing* its copy at that
+moment (the connector's planning state is not shared between concurrent calls; every transfer
+has its own device staging buffer). A save's planning runs outside the lock: the only
+connector state it shares with a load, the pinned slot-index ring, has a lock of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+
+from lmcache.cache_engine import LMCacheEngine
+from lmcache.config import LMCacheConfig
+from lmcache.devices import DeviceBackend, get_backend
+from lmcache_vllm.connector_metadata import (
+    ENGINE_COUNTERS,
+    LMCacheConnectorMetadata,
+    ReqMeta,
+    WorkerStats,
+)
+from lmcache_vllm.lookup_wire import LookupQuery
+from lmcache_vllm.transfer.transfer_plan import save_mask, slot_mapping
+from lmcache_vllm.vllm_types import VllmConfig
+from lmcache_vllm.worker.batched_saves import BatchedSaves
+from lmcache_vllm.worker.counters import WorkerCounters
+from lmcache_vllm.worker.hit_prefetch import HitPrefetcher
+from lmcache_vllm.worker.kv_registration import build_engine, order_caches
+from lmcache_vllm.worker.layerwise_step import LayerwiseStep, PendingSave
+from lmcache_vllm.worker.loads import RequestLoads
+from lmcache_vllm.worker.lookup_leases import LookedUp, LookupLeases
+from lmcache_vllm.worker.lookup_server import LookupServer
+from lmcache_vllm.worker.save_queue import (
+    SaveQueue,
+    UnpublishedSaves,
+)
+
+if TYPE_CHECKING:
+    from lmcache.cache_engine import LayerwiseRetrieve
+    from lmcache.held_hit import HeldHit
+
+__all__ = ["SECOND_ENGINE_ERROR", "WorkerSide"]
+
+logger = logging.getLogger(__name__)
+
+SECOND_ENGINE_ERROR = (
+    "lmcache: a second vLLM engine in this process registered its KV caches with the first "
+    "engine's lmcache connector (vLLM keeps one worker-side KV connector per process, so two "
+    "engines alive at once in one process would share it and load KV into the wrong engine's "
+    "pages). Run one engine per process: shut the first engine down before creating the next, "
+    "or use vLLM's default multiprocess mode (do not set VLLM_ENABLE_V1_MULTIPROCESSING=0)."
+)
+
+
+class WorkerSide:
+    """Worker-side state of the lmcache connector (see the module docstring).
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig``.
+        config: lmcache configuration.
+        engine_key: Names this engine instance (lookup socket).
+        world_size: Ranks holding shards; ``rank`` is this worker's.
+        get_metadata: Returns the connector metadata bound for this step.
+        on_engine: Called with each ``LMCacheEngine`` built (the adapter's registry of live
+            engines).
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        config: LMCacheConfig,
+        engine_key: str,
+        world_size: int,
+        rank: int,
+        get_metadata: Callable[[], object],
+        on_engine: Callable[[LMCacheEngine], None] | None = None,
+    ) -> None:
+        self._vllm_config = vllm_config
+        self.config = config
+        self.chunk_size = config.chunk_size
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.engine_key = engine_key
+        self.world_size = world_size
+        self.rank = rank
+        self._get_metadata = get_metadata
+        self._on_engine = on_engine
+        self.lmcache_engine: LMCacheEngine | None = None
+        self._registered: list[torch.Tensor] = []
+        self._lookup_server: LookupServer | None = None
+        self._layer_ids: dict[str, int] = {}
+        self._counters = WorkerCounters()
+        self._engine_seen: dict[str, float] = {}  # engine counters already reported
+        self._xfer_lock = threading.Lock()
+        self._layerwise: LayerwiseStep | None = None  # built with the caches (device)
+        self._backend: DeviceBackend = get_backend("cpu")  # the caches' device, once registered
+        self._bound: object = None  # the metadata bind() last ran for
+        self._leases = LookupLeases()
+        self._saves = SaveQueue(f"lmcache-save-rank{rank}")
+        self._unpublished = UnpublishedSaves(self.chunk_size)
+        self._batched = BatchedSaves(
+            self._saves,
+            self._unpublished,
+            self._xfer_lock,
+            self.chunk_size,
+            self.block_size,
+            self._counters,
+        )
+        self.prefetcher = HitPrefetcher(self.chunk_size, config.use_layerwise)
+        self._loads = RequestLoads(
+            self.chunk_size,
+            self.block_size,
+            config.use_layerwise,
+            self._xfer_lock,
+            self._counters,
+            self.prefetcher,
+        )
+
+    # ------------------------------------------------------------------ registration
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Build the metadata, connector, cache engine and lookup server from vLLM's caches.
+
+        Raises:
+            KVLayoutError: no caches, or a layout no connector handles.
+            RuntimeError: a second engine of this process registers other caches.
+        """
+        names, caches = order_caches(kv_caches)
+        if self.lmcache_engine is not None:
+            if len(caches) == len(self._registered) and all(
+                a.data_ptr() == b.data_ptr() for a, b in zip(caches, self._registered, strict=True)
+            ):
+                return  # the same caches again
+            raise RuntimeError(SECOND_ENGINE_ERROR)
+        engine, kv_format = build_engine(
+            self._vllm_config,
+            self.config,
+            names,
+            caches,
+            world_size=self.world_size,
+            rank=self.rank,
+            labels={"engine": self.engine_key, "rank": str(self.rank)},
+        )
+        first = caches[0]
+        self.lmcache_engine = engine
+        self._registered = caches
+        # the device backend of the caches: the worker's streams and events go through it
+        self._backend = get_backend(first.device)
+        self._layerwise = LayerwiseStep(
+            self._xfer_lock,
+            self._saves,
+            first.device,
+            self._loads.fail_whole,
+            self._backend,
+            on_chunks_rejected=self._loads.chunks_rejected,
+        )
+        self._layer_ids = {n: i for i, n in enumerate(names)}
+        self._loads.asynchronous = self._backend.has_streams
+        self.prefetcher.attach(self._layerwise.copy_stream)
+        self._batched.attach(engine, self._backend, first.device, self._layerwise.store_stream)
+        if self._on_engine is not None:
+            self._on_engine(engine)
+        self._lookup_server = LookupServer(self.engine_key, self.rank, self._lookup, self._clear)
+        logger.info(
+            "lmcache: registered %d layers %s on %s (%s), lookup socket %s",
+            len(caches),
+            tuple(first.shape),
+            first.device.type,
+            kv_format,
+            self._lookup_server.path,
+        )
+
+    # ------------------------------------------------------------------ lookups (server thread)
+
+    def _lookup(self, query: LookupQuery) -> int:
+        engine = self.lmcache_engine
+        if engine is None or self._leases.has_ended(query.req_id):
+            return 0  # ended meanwhile (a query that waited): nothing to read or lease
+        reused = self._leases.reuse(query.req_id, len(query.tokens), query.salt)
+        if reused is not None:
+            return reused
+        extra = dict(query.extra_keys) or None
+        hit = engine.lookup_and_lease(query.tokens, salt=query.salt, extra_keys=extra)
+        if hit.num_tokens < len(query.tokens) and self._unpublished.wait_for(
+            query.salt, query.tokens, hit.num_tokens, hurry=self._saves.gate.hurry
+        ):
+            hit.release()  # a save of the missing chunks was queued: look again
+            hit = engine.lookup_and_lease(query.tokens, salt=query.salt, extra_keys=extra)
+        self.prefetcher.prefetch(engine, hit)
+        self.prefetcher.verify(engine, hit)
+        # what the hit's keys were made for (a snapshot: the load compares, then reuses them)
+        looked = LookedUp.of(query.tokens, query.salt, extra) if hit.num_tokens else None
+        self._leases.put(query.req_id, hit, len(query.tokens), query.salt, looked)
+        return hit.num_tokens
+
+    def _clear(self) -> None:
+        """Drop this engine's chunks, after the saves queued so far (a reset is a reset)."""
+        if not self._saves.wait(timeout=60.0):
+            logger.warning("lmcache: saves still running at reset; chunks may reappear")
+        if self.lmcache_engine is not None:
+            self.lmcache_engine.clear()
+
+    # ------------------------------------------------------------------ per step
+
+    def _meta(self) -> LMCacheConnectorMetadata | None:
+        meta = self._get_metadata()
+        return meta if isinstance(meta, LMCacheConnectorMetadata) else None
+
+    def bind(self, meta: object) -> None:
+        """Start of a step, before anything writes vLLM's pages: finish the previous step's
+        layerwise work, wait until queued saves have copied their pages (vLLM may reuse freed or
+        preempted blocks from now on), release leases of preempted requests and stale ones."""
+        self._bound = meta
+        if self._layerwise is not None:
+            self._layerwise.finish()
+        self._fence()
+        self._batched.drop_planned()
+        if not isinstance(meta, LMCacheConnectorMetadata):
+            return
+        if not self.config.use_layerwise:
+            self._batched.note(meta)
+        self._leases.release(meta.preempted)
+        expired = self._leases.expire()
+        if expired:
+            with self._counters.lock:
+                self._counters.stats.expired_leases += expired
+
+    def handle_preemptions(self, meta: object) -> None:
+        """Fence the blocks of preempted requests, which are about to be reused.
+
+        No save may still read them afterwards.
+        Saves of requests that finished at the last step (``meta.finished``: chunks completed
+        by accepted speculative tokens) read their freed blocks now.
+        vLLM may rewrite those blocks next: it zeroes or copies blocks, then loads and computes.
+
+        vLLM calls this first thing in every step, before preparing the step's inputs.
+        With nothing preempted or finished it returns at once.
+        The step's :meth:`bind`, right before the forward, orders the step's writes after the
+        saves' reads anyway.
+        Fencing here as well would make the step wait that much earlier for the last step's
+        copies to be enqueued.
+        """
+        if isinstance(meta, LMCacheConnectorMetadata):
+            if meta.finished:
+                self._batched.save_finished(meta.finished)
+            elif not meta.preempted:
+                return
+        self._fence()
+
+    def _fence(self) -> None:
+        """Order every later write of vLLM's pages after the reads of the saves queued so far:
+        a short host wait until each queued copy is enqueued, then device-side waits of the
+        compute stream (and the layerwise load stream) on the events after their gathers."""
+        events = self._saves.wait_read(timeout=300.0)
+        if events is None:
+            logger.error("lmcache: queued saves did not read their pages within 300 s")
+            return
+        if not events or not self._registered:
+            return
+        device = self._registered[0].device
+        backend = self._backend
+        streams = [backend.current_stream(device)]
+        if self._layerwise is not None and self._layerwise.load_stream is not None:
+            streams.append(self._layerwise.load_stream)
+        for event in events:
+            for stream in streams:
+                backend.wait_event(stream, event)
+
+    def start_load_kv(self) -> None:
+        """Load every request's hit: one batched retrieve each, or, layerwise, enqueue every
+        layer now (prefetch; the forward waits per layer in :meth:`wait_for_layer_load`)."""
+        raw = self._get_metadata()
+        if raw is not self._bound:  # vLLM 0.26's in-tree wrapper does not forward the bind
+            self.bind(raw)
+        meta = self._meta()
+        engine = self.lmcache_engine
+        if meta is None or engine is None:
+            return
+        layerwise: list[tuple[ReqMeta, LayerwiseRetrieve, HeldHit | None]] = []
+        for req in meta.requests:
+            held, looked = self._leases.take(req.req_id)
+            if req.load is None:
+                if held is not None:
+                    held.release()
+                continue
+            started = self._loads.load(engine, req, held, looked)
+            if started is not None:
+                layerwise.append((req, started, held))
+        if layerwise and self._layerwise is not None:
+            self._layerwise.start_loads(
+                layerwise, engine.metadata.num_layers, whole=not self.config.use_layerwise
+            )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Layerwise: order the forward's use of ``layer_name`` after its loads."""
+        layer = self._layer_ids.get(layer_name)
+        if layer is not None and self._layerwise is not None:
+            self._layerwise.wait_layer(layer)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Layerwise: queue the copy of ``layer_name`` for every request saving this step.
+        Batched: at the last layer (the forward is enqueued but for its head), queue the
+        planning of this step's saves."""
+        engine = self.lmcache_engine
+        layer = self._layer_ids.get(layer_name)
+        step = self._layerwise
+        if not self.config.use_layerwise:
+            if layer is not None and layer == len(self._layer_ids) - 1:
+                self._batched.queue_plan()
+            return
+        if engine is None or layer is None or step is None:
+            return
+        if not step.saves_started:
+            meta = self._meta()
+            saves = []
+            for req in meta.requests if meta is not None else []:
+                if req.save is None:
+                    continue
+                tokens = req.token_ids[: req.save.end]
+                begin = partial(
+                    engine.store_layerwise,
+                    tokens,
+                    save_mask(len(tokens), req.save.skip, self.chunk_size),
+                    salt=req.salt,
+                    extra_keys=req.extra_keys or None,
+                )  # leases its buffers on the save thread, not in the forward
+                slots = slot_mapping(req.block_ids, self.block_size, len(tokens))
+                saves.append(PendingSave(req, slots, begin, self._save_done(req.salt, tokens)))
+            step.start_saves(saves)
+        step.save_layer(layer)
+
+    def _save_done(self, salt: str, tokens: list[int]) -> Callable[[int | None], None]:
+        """Registers a save as unpublished; the callback publishes and counts it."""
+        job = self._unpublished.add(salt, tokens)
+        started = time.perf_counter()
+
+        def _done(stored: int | None) -> None:
+            self._unpublished.done(job)
+            if stored is not None:
+                self._counters.count_save(stored, time.perf_counter() - started)
+
+        return _done
+
+    def wait_for_save(self) -> None:
+        """Queue the copy of this step's saves (planned during the forward) and return at
+        once; finish this step's enqueued loads (their leases go, failed ones become load
+        errors)."""
+        if self._layerwise is not None:
+            self._layerwise.finish()  # layerwise: queues this step's commits
+        if not self.config.use_layerwise:
+            self._batched.wait_for_save()
+
+    def get_finished(self, finished_req_ids: Iterable[str]) -> None:
+        """Release the leases of finished (or aborted) requests, also those a lookup still in
+        flight for one of them takes later (:meth:`LookupLeases.finish`); nothing is ever reported
+        as finished sending (blocks are freed at once: :meth:`bind` fences their reuse)."""
+        self._leases.finish(finished_req_ids)
+
+    @property
+    def held_leases(self) -> int:
+        """Requests whose lookup hit this rank holds leased (until their load or end)."""
+        return len(self._leases)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call."""
+        return self._loads.take_errors()
+
+    def take_stats(self) -> dict[str, float] | None:
+        """Worker counters since the last call (``None`` when nothing happened)."""
+        with self._counters.lock:
+            stats, self._counters.stats = self._counters.stats, WorkerStats()
+            out = stats.as_dict()
+            engine = self.lmcache_engine
+            if engine is not None:  # the tiers' counters, as deltas since the last report
+                for name in ENGINE_COUNTERS:
+                    value = engine.metrics.value(name)
+                    out[name] = value - self._engine_seen.get(name, 0.0)
+                    self._engine_seen[name] = value
+        if not any(out.values()):
+            return None
+        return out
+
+    def shutdown(self) -> None:
+        """Finish queued saves, stop the lookup server, release every lease."""
+        if not self._saves.close(timeout=60.0):
+            logger.warning("lmcache: saves still running at shutdown; their chunks are dropped")
+        self._batched.close()  # saves planned for a step that never ended
+        if self._lookup_server is not None:
+            self._lookup_server.close()
+            self._lookup_server = None
+        if self._layerwise is not None:
+            self._layerwise.abort()
+        self._leases.clear()
+        if self.lmcache_engine is not None:
+            self.lmcache_engine.close()  # the process-wide tier keeps the chunks
+        self.lmcache_engine = None
+        self._registered = []
