@@ -393,8 +393,9 @@ def main() -> int:
     engine = cache.engine(1.25 * gib + 0.1, True)
     st_on = median(wall_ms(device, store_fn(engine, a), reps, setup=engine.clear))
     ld_on = median(wall_ms(device, load_fn(engine, a), reps))
+    on_device = engine.gpu_connector is not None and engine.gpu_connector.verifies_checksums
     engine.close()
-    default_on = LMCacheConfig().checksum_for(device.type)
+    default_on = LMCacheConfig().checksum_for(device.type, on_device)
     cost = max(1 - off[0] / st_on, 1 - off[1] / ld_on)
     rows.append(
         (

@@ -220,10 +220,11 @@ def test_prefetched_chunks_load_like_host_chunks(alloc, monkeypatch):
         lslots = slots.clone()
         lslots[:skip] = -1
         a, b = engine(2), engine(2)
+        conn_a, conn_b = conn(a), conn(b)  # (their warm-up transfers copy: not counted)
         copies.clear()
-        conn(a).to_gpu(chunks, TransferSpec(lslots, skip_tokens=skip, staged=pre))
+        conn_a.to_gpu(chunks, TransferSpec(lslots, skip_tokens=skip, staged=pre))
         assert copies == []  # scattered from the device copy
-        conn(b).to_gpu(chunks, TransferSpec(lslots, skip_tokens=skip))
+        conn_b.to_gpu(chunks, TransferSpec(lslots, skip_tokens=skip))
         torch.cuda.synchronize()
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x.view(torch.int16), y.view(torch.int16))
@@ -277,8 +278,9 @@ def test_prefetched_chunks_load_like_host_chunks(alloc, monkeypatch):
         assert torch.equal(x.view(torch.int16), y.view(torch.int16))
 
 
+@pytest.mark.parametrize("store", ["kernel", "strided"])
 @pytest.mark.parametrize("alloc", ["one-buffer", "per-layer"])
-def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, monkeypatch):
+def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, store, monkeypatch):
     """``prepare_store`` plans a store and uploads its slot indices ahead (on the store stream,
     before the KV exists); the deferred ``from_gpu`` given that plan then builds no indices,
     reads the pages as they are when it runs (written after the prepare, on the compute
@@ -288,7 +290,9 @@ def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, monkeypat
     from lmcache.gpu_connector import ChunkTransfer, TransferSpec
     from lmcache.memory.pinned_pool import HostMemoryPool
     from lmcache.metadata import LMCacheMetadata
+    from lmcache_vllm.transfer.verified_scatter import ChunkChecksums
 
+    monkeypatch.setattr(FusedTransfer, "kernel_gather", store == "kernel")
     L, H, D, P, CS, NB, N = 4, 8, 128, 16, 256, 128, 900
     md = LMCacheMetadata(
         model_name="m", world_size=1, worker_id=0, local_worker_id=0, local_world_size=1,
@@ -330,10 +334,15 @@ def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, monkeypat
         v.copy_(torch.randint(-32768, 32767, v.shape, device="cuda", generator=g).to(torch.int16).view(torch.bfloat16))  # fmt: skip
     ready = torch.cuda.Event()
     ready.record()
-    built = []
-    real = FusedTransfer._fused_indices
+    built = []  # index builds: the kernel's (raw slots) and the strided path's
+    real_k, real_s = ChunkChecksums.load_index, FusedTransfer._fused_indices
     monkeypatch.setattr(
-        FusedTransfer, "_fused_indices", lambda self, *a: (built.append(1), real(self, *a))[1]
+        ChunkChecksums, "load_index", lambda self, *a: (built.append("kernel"), real_k(self, *a))[1]
+    )
+    monkeypatch.setattr(
+        FusedTransfer,
+        "_fused_indices",
+        lambda self, *a: (built.append("strided"), real_s(self, *a))[1],
     )
     checked = []
     check = type(fast).check_chunks
@@ -356,7 +365,7 @@ def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, monkeypat
     checked.clear()  # (the reference copy above was checked too: same class)
     with torch.cuda.stream(store):
         fast.from_gpu(other_chunks, TransferSpec(slots, stream=store, prepared=prepared))
-    assert built == [1] and checked == [1]
+    assert built == [store] and checked == [1]
     for x, y in zip(other, refs, strict=True):
         assert torch.equal(x.tensor.view(torch.int16), y.view(torch.int16))
 
@@ -366,10 +375,11 @@ def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, monkeypat
     spec = TransferSpec(slots, stream=store, deferred=True)
     with torch.cuda.stream(store):
         spec = TransferSpec(slots, stream=store, prepared=fast.prepare_store(layer_chunks, spec))
-        assert built == [1]
+        assert built == [store]
         for layer in range(L):
             fast.from_gpu_layer(layer, list(layer_chunks), spec)
-    assert built == [1]
+    # a kernel store's plan gets the strided indices once, at its first per-layer copy
+    assert built == (["kernel", "strided"] if store == "kernel" else ["strided"])
     for x, y in zip(per_layer, refs, strict=True):
         assert torch.equal(x.tensor.view(torch.int16), y.view(torch.int16))
     for x in leases + other + per_layer:

@@ -305,3 +305,15 @@ def test_cuda_lookups_run_off_the_scheduler_thread_when_hits_are_verified():
             assert got == 2 * CHUNK
         else:
             assert first == 2 * CHUNK
+
+
+def test_no_lookup_when_vllm_holds_every_token_lmcache_could_offer():
+    """vLLM's own prefix-cache hit already reaches the last full block before the prompt's last
+    token: lmcache could add nothing, so it asks no worker (no lease, no device copy)."""
+    impl, _ = make_impl(hit=4 * CHUNK)
+    prompt = list(range(2 * CHUNK + 5))
+    full = (len(prompt) - 1) // BLOCK * BLOCK
+    assert impl.get_num_new_matched_tokens(request("r-full", prompt), full) == 0
+    assert impl.scheduler.lookups.client.queries == []
+    assert impl.get_num_new_matched_tokens(request("r-part", prompt), full - BLOCK) == BLOCK
+    assert len(impl.scheduler.lookups.client.queries) == 1

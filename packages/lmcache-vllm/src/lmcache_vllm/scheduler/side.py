@@ -191,6 +191,11 @@ class SchedulerSide:
             tokens = list(tokens)  # vLLM's own is a list already: not copied per lookup
         if key.skip_reason is not None or not tokens:
             return 0
+        if (
+            num_computed_tokens
+            >= (int(request.num_tokens) - 1) // self.block_size * self.block_size
+        ):
+            return 0  # vLLM holds all that lmcache could offer: no lookup, no copy to the GPU
         hit = self.lookups.ask(
             rid,
             lambda: LookupQuery(

@@ -214,6 +214,7 @@ class PreparedStore:
     check: Callable[[], None]
     uploaded: Any
     kernel_index: Any = None  # the gather kernel's device index, when the store uses it
+    strided_ready: bool = True  # ``idx`` / ``check`` are the strided path's (else raw slots)
 
     def matches(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec

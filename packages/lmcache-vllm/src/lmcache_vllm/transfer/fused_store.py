@@ -58,13 +58,21 @@ class FusedStore(FusedViews):
                 uploaded = self.backend.event_after(self.backend.current_stream(self.device))
             return PreparedStore(
                 layers, chunks, transfer.slot_mapping, plan, index.slots, _no_check, uploaded,
-                kernel_index=index,
+                kernel_index=index, strided_ready=False,
             )  # fmt: skip
         plan = self._plan(layers, chunks, 0, self._store_pieces(transfer))
         with self._stream_ctx(transfer):
             idx, check = self._fused_indices(plan, transfer)
             uploaded = self.backend.event_after(self.backend.current_stream(self.device))
         return PreparedStore(layers, chunks, transfer.slot_mapping, plan, idx, check, uploaded)
+
+    def _add_strided_indices(self, prep: PreparedStore, transfer: TransferSpec) -> None:
+        """Give a kernel store's plan this path's indices, once (its own are raw slots): a
+        layerwise store copies it layer by layer, which the gather kernel does not do."""
+        with self._stream_ctx(transfer):
+            prep.idx, prep.check = self._fused_indices(prep.plan, transfer)
+            prep.uploaded = self.backend.event_after(self.backend.current_stream(self.device))
+        prep.strided_ready = True
 
     def checked_ahead(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> bool:
         """A copy of the very chunk list and slot mapping that :meth:`prepare_store` planned
@@ -89,8 +97,10 @@ class FusedStore(FusedViews):
             return self._store_by_kernel(layers, chunks, transfer, deferred)
         try:
             prep = transfer.prepared
-            if not isinstance(prep, PreparedStore) or prep.kernel_index is not None:
-                prep = None  # a kernel store's index is raw slots, not this path's indices
+            if not isinstance(prep, PreparedStore):
+                prep = None
+            elif not prep.strided_ready:  # a kernel store's plan, copied per layer
+                self._add_strided_indices(prep, transfer)
             if prep is not None and prep.matches(layers, chunks, transfer):
                 plan = prep.plan  # planned while the step computed this KV
             else:

@@ -80,13 +80,13 @@ class ChunkChecksums:
     """
 
     def __init__(self, cache: PagedKVCache, backend: DeviceBackend) -> None:
+        self.cache = cache
         self.device = cache.device
         self.backend = backend
         if cache.kv_format == "mla":
             self.paged = gpu_ops.PagedKV.from_vllm_mla(list(cache.caches))
         else:
             self.paged = gpu_ops.PagedKV.from_vllm(list(cache.caches), cache.head_size_k)
-        self.num_slots = self.paged.num_pages * self.paged.page_size
         # Load (or JIT-build) the extension now, at engine start, not on the first request.
         gpu_ops.uses_cext(self.device)
 
@@ -110,6 +110,8 @@ class ChunkChecksums:
         expected: list[int] = []
         has: list[int] = []
         slot_parts: list[torch.Tensor] = []
+        moved_parts: list[torch.Tensor] = []  # request token index of each moved token
+        starts: list[int] = []  # staged chunks' first moved token (t0), for the -1 fill below
         sm = transfer.slot_mapping
         for i, c in enumerate(chunks):
             t0 = min(max(skip - c.start, 0), c.num_tokens)
@@ -117,18 +119,23 @@ class ChunkChecksums:
                 continue  # the engine holds all of it: not staged
             positions.append(i)
             counts.append(c.num_tokens)
+            starts.append(t0)
             expected.append(_signed(c.checksum) if c.checksum is not None else 0)
             has.append(c.checksum is not None)
-            part = sm[c.start : c.end].to(torch.int64)
-            if t0:
-                part = part.clone()
-                part[:t0] = -1
-            slot_parts.append(part)
+            slot_parts.append(sm[c.start : c.end].to(torch.int64))
+            moved_parts.append(torch.arange(c.start + t0, c.end))
         k, total = len(positions), sum(counts)
         host_slots = (
             torch.cat(slot_parts).cpu() if slot_parts else torch.empty(0, dtype=torch.int64)
         )
-        self._check_slots(host_slots, skipped=skip > 0)
+        moved = torch.ones(total, dtype=torch.bool)
+        at = 0
+        for n, t0 in zip(counts, starts, strict=True):
+            moved[at : at + t0] = False  # tokens the engine holds: never written
+            at += n
+        # the kernels skip a slot outside the cache without a word: refuse one here
+        self.cache.check_slots(host_slots[moved], lambda: torch.cat(moved_parts))
+        host_slots[~moved] = -1
         chunk_of = torch.repeat_interleave(torch.arange(k, dtype=torch.int64), torch.tensor(counts))
         offsets = [0]
         for n in counts:
@@ -160,25 +167,6 @@ class ChunkChecksums:
         sums = torch.empty(len(index.positions), dtype=torch.int64, device=self.device)
         gpu_ops.gather_kv(self.paged, index.slots, index.offsets, staging, checksums=sums)
         return StoreChecksums(self._download(sums))
-
-    def _check_slots(self, slots: torch.Tensor, skipped: bool) -> None:
-        """Every moved token's slot is a slot of the cache (the kernels skip any other, which
-        would leave its bytes unmoved without a word).
-
-        Raises:
-            ValueError: naming the first bad slot, the valid range and the fix.
-        """
-        moved = slots[slots != -1] if skipped else slots
-        if moved.numel() == 0:
-            return
-        lo, hi = int(moved.min()), int(moved.max())
-        if lo < 0 or hi >= self.num_slots:
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"slot_mapping: slot {bad} is outside the cache's slots [0, {self.num_slots}) "
-                f"({self.paged.num_pages} pages of {self.paged.page_size}); pass the slots vLLM "
-                "assigned to these tokens (block_id * block_size + offset)."
-            )
 
     def verified_scatter(self, index: LoadIndex, staging: torch.Tensor) -> LoadChecks:
         """Verify every staged chunk (all layers), then scatter the ones that matched; all on
