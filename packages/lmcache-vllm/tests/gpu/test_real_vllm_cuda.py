@@ -121,9 +121,10 @@ def test_store_reset_hit_identical(model_dir, baseline, runner, layerwise, backe
         assert llm.reset_prefix_cache()
         # a prompt extending the stored one, batched with it: partial hit + full hit
         got = _gen(llm, [EXT, PROMPT])
-        assert got[0][0] == baseline["ext"] and got[0][1] == 512
-        # the second may also be served by vLLM's own cache, from the first's blocks
-        assert got[1][0] == baseline["prompt"] and got[1][1] >= 512
+        assert got[0][0] == baseline["ext"] and got[1][0] == baseline["prompt"]
+        # each from lmcache (512) or from vLLM's own cache, holding the blocks of the other
+        # when its lookup (in the background on CUDA) answered later (688 = 43 blocks)
+        assert got[0][1] in (512, 688) and got[1][1] in (512, 688)
     finally:
         _shutdown(llm)
         reset_process_cpu_tiers()

@@ -257,8 +257,8 @@ def test_prefetched_chunks_load_like_host_chunks(alloc, monkeypatch):
         lslots = slots.clone()
         lslots[:skip] = -1
         a, b = engine(4), engine(4)
+        ca, cb = conn(a), conn(b)  # (their warm-up transfers copy: not counted)
         copies.clear()
-        ca, cb = conn(a), conn(b)
         for layers in (range(0, 1), range(1, 2), range(2, L)):  # not the copy's groups
             ca.to_gpu_layers(layers, chunks, TransferSpec(lslots, skip_tokens=skip, staged=grouped))
             cb.to_gpu_layers(layers, chunks, TransferSpec(lslots, skip_tokens=skip))
@@ -278,9 +278,9 @@ def test_prefetched_chunks_load_like_host_chunks(alloc, monkeypatch):
         assert torch.equal(x.view(torch.int16), y.view(torch.int16))
 
 
-@pytest.mark.parametrize("store", ["kernel", "strided"])
+@pytest.mark.parametrize("path", ["kernel", "strided"])
 @pytest.mark.parametrize("alloc", ["one-buffer", "per-layer"])
-def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, store, monkeypatch):
+def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, path, monkeypatch):
     """``prepare_store`` plans a store and uploads its slot indices ahead (on the store stream,
     before the KV exists); the deferred ``from_gpu`` given that plan then builds no indices,
     reads the pages as they are when it runs (written after the prepare, on the compute
@@ -292,7 +292,7 @@ def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, store, mo
     from lmcache.metadata import LMCacheMetadata
     from lmcache_vllm.transfer.verified_scatter import ChunkChecksums
 
-    monkeypatch.setattr(FusedTransfer, "kernel_gather", store == "kernel")
+    monkeypatch.setattr(FusedTransfer, "kernel_gather", path == "kernel")
     L, H, D, P, CS, NB, N = 4, 8, 128, 16, 256, 128, 900
     md = LMCacheMetadata(
         model_name="m", world_size=1, worker_id=0, local_worker_id=0, local_world_size=1,
@@ -365,7 +365,7 @@ def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, store, mo
     checked.clear()  # (the reference copy above was checked too: same class)
     with torch.cuda.stream(store):
         fast.from_gpu(other_chunks, TransferSpec(slots, stream=store, prepared=prepared))
-    assert built == [store] and checked == [1]
+    assert built == [path] and checked == [1]
     for x, y in zip(other, refs, strict=True):
         assert torch.equal(x.tensor.view(torch.int16), y.view(torch.int16))
 
@@ -375,11 +375,11 @@ def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, store, mo
     spec = TransferSpec(slots, stream=store, deferred=True)
     with torch.cuda.stream(store):
         spec = TransferSpec(slots, stream=store, prepared=fast.prepare_store(layer_chunks, spec))
-        assert built == [store]
+        assert built == [path]
         for layer in range(L):
             fast.from_gpu_layer(layer, list(layer_chunks), spec)
     # a kernel store's plan gets the strided indices once, at its first per-layer copy
-    assert built == (["kernel", "strided"] if store == "kernel" else ["strided"])
+    assert built == (["kernel", "strided"] if path == "kernel" else ["strided"])
     for x, y in zip(per_layer, refs, strict=True):
         assert torch.equal(x.tensor.view(torch.int16), y.view(torch.int16))
     for x in leases + other + per_layer:
