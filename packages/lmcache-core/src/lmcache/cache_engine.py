@@ -48,12 +48,12 @@ Semantics (LMCache's):
 Where the parts live:
 
 - This module holds the request API.
-- :mod:`lmcache.engine_setup` builds the engine, attaches its connector and closes it.
-- :mod:`lmcache.engine_hits` finds and leases hit chunks.
-- :mod:`lmcache.engine_stores` leases and publishes the chunks of a store.
-- :mod:`lmcache.load_checks` checks loaded chunks against their checksums.
-- :mod:`lmcache.store_plan` and :mod:`lmcache.layerwise` hold the objects a store or retrieve
-  returns. They reach the engine only through the protocols of :mod:`lmcache.chunk_moves`.
+- :mod:`lmcache.engine.setup` builds the engine, attaches its connector and closes it.
+- :mod:`lmcache.engine.hits` finds and leases hit chunks.
+- :mod:`lmcache.engine.stores` leases and publishes the chunks of a store.
+- :mod:`lmcache.engine.load_checks` checks loaded chunks against their checksums.
+- :mod:`lmcache.engine.store_plan` and :mod:`lmcache.layerwise` hold the objects a store or retrieve
+  returns. They reach the engine only through the protocols of :mod:`lmcache.engine.chunk_moves`.
 """
 
 from __future__ import annotations
@@ -63,14 +63,14 @@ from collections.abc import Sequence
 
 import torch
 
-from lmcache.chunk_moves import release_all
-from lmcache.engine_hits import check_held, hit_mask
-from lmcache.engine_setup import EngineSetup
+from lmcache.engine.chunk_moves import release_all
+from lmcache.engine.hits import check_held, hit_mask
+from lmcache.engine.setup import EngineSetup
+from lmcache.engine.store_plan import PlannedStore, StagedStore, StoreBatch
 from lmcache.gpu_connector.interface import TransferSpec
 from lmcache.held_hit import HeldHit
 from lmcache.layerwise import LayerwiseRetrieve, LayerwiseStore
 from lmcache.request_plan import ExtraKeys, Tokens
-from lmcache.store_plan import PlannedStore, StagedStore, StoreBatch
 from lmcache.tiers import cascade
 
 __all__ = [
@@ -261,7 +261,7 @@ class LMCacheEngine(EngineSetup):
         self, stores: Sequence[PlannedStore], transfer: TransferSpec | None = None
     ) -> StoreBatch:
         """Several stores planned with ``plan_store(..., prepare=False)``, to copy in one
-        connector call (:class:`~lmcache.store_plan.StoreBatch`): one gather and one set of
+        connector call (:class:`~lmcache.engine.store_plan.StoreBatch`): one gather and one set of
         DMAs for all of a step's requests instead of one per request.
 
         Args:

@@ -6,10 +6,10 @@
 They return one of these plain objects. The caller drives it layer by layer, in order, then
 calls ``finish()`` (or ``abort()``). Chunks of a layerwise store become visible to lookups at
 ``finish()``. A layerwise retrieve keeps its chunk leases until the copies are done. These
-objects reach the engine only through the protocols of :mod:`lmcache.chunk_moves`.
+objects reach the engine only through the protocols of :mod:`lmcache.engine.chunk_moves`.
 
 The batched store's steps (:class:`PlannedStore`, :class:`StagedStore`, :class:`StoreBatch`)
-live in :mod:`lmcache.store_plan`; they are re-exported here for the old import path.
+live in :mod:`lmcache.engine.store_plan`; they are re-exported here for the old import path.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from lmcache.chunk_moves import LoadFinisher, Pending, StoreCommitter, release_all
+from lmcache.engine.chunk_moves import LoadFinisher, Pending, StoreCommitter, release_all
+from lmcache.engine.store_plan import PlannedStore, StagedStore, StoreBatch
 from lmcache.gpu_connector.checksums import LoadChecks
 from lmcache.gpu_connector.interface import (
     ChunkTransfer,
@@ -28,7 +29,6 @@ from lmcache.gpu_connector.interface import (
     SupportsLayerwise,
     TransferSpec,
 )
-from lmcache.store_plan import PlannedStore, StagedStore, StoreBatch
 
 __all__ = [
     "LayerwiseRetrieve",

@@ -2,7 +2,7 @@
 """A staged store reaches the engine only through the ``StoreCommitter`` it is given.
 
 A recording committer stands in for the engine. The tests check what a
-:class:`~lmcache.store_plan.StagedStore` hands it (its chunks, chain, start time, and its slice
+:class:`~lmcache.engine.store_plan.StagedStore` hands it (its chunks, chain, start time, and its slice
 of a batch's device checksums) and that the buffers go back in every case.
 """
 
@@ -13,11 +13,11 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from lmcache.chunk_moves import Pending
+from lmcache.engine.chunk_moves import Pending
+from lmcache.engine.store_plan import StagedStore
 from lmcache.gpu_connector.checksums import StoreChecksums
 from lmcache.gpu_connector.interface import ChunkTransfer
 from lmcache.memory import HostMemoryPool
-from lmcache.store_plan import StagedStore
 
 CHUNK = 4
 

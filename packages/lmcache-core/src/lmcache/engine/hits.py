@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from lmcache.chunk_moves import Pending
-from lmcache.engine_tiers import EngineTiers
+from lmcache.engine.chunk_moves import Pending
+from lmcache.engine.tiers import EngineTiers
 from lmcache.gpu_connector.interface import ChunkTransfer
 from lmcache.held_hit import HeldHit
 from lmcache.memory import LeaseError, MemoryLease

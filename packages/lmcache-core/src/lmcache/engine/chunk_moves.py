@@ -3,7 +3,7 @@
 
 A :class:`Pending` is one chunk that a store or retrieve is moving. It holds the chunk's key,
 the connector's view of it and the lease on its host buffer. The store objects
-(:mod:`lmcache.store_plan`) and the layerwise objects (:mod:`lmcache.layerwise`) reach the
+(:mod:`lmcache.engine.store_plan`) and the layerwise objects (:mod:`lmcache.layerwise`) reach the
 engine only through the two protocols here. :class:`StoreCommitter` publishes the chunks of a
 finished store. :class:`LoadFinisher` checks and counts the chunks of a finished load. The
 engine passes in objects that implement them, so these modules never import the engine.
@@ -44,7 +44,7 @@ def release_all(pending: Sequence[Pending]) -> None:
 
 
 class StoreCommitter(Protocol):
-    """Publishes the filled buffers of a store (:class:`lmcache.engine_stores.StoreWriter`)."""
+    """Publishes the filled buffers of a store (:class:`lmcache.engine.stores.StoreWriter`)."""
 
     def commit_store(
         self,
@@ -62,7 +62,7 @@ class StoreCommitter(Protocol):
 
 
 class LoadFinisher(Protocol):
-    """Checks and counts the chunks of a completed load (:class:`lmcache.load_checks.LoadChecker`)."""
+    """Checks and counts the chunks of a completed load (:class:`lmcache.engine.load_checks.LoadChecker`)."""
 
     def load_failures(
         self, pending: Sequence[Pending], checks: Sequence[LoadChecks | None], skip_tokens: int

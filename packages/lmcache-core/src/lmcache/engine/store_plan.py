@@ -6,7 +6,7 @@ It holds the keys, the leases and the connector's planning, made before the engi
 computed the KV. Its ``copy_out()`` returns a :class:`StagedStore`: the bytes are copied, not yet
 visible. Its ``commit()`` publishes them. :class:`StoreBatch` copies several planned stores in
 one connector call. These objects reach the engine only through a
-:class:`~lmcache.chunk_moves.StoreCommitter`.
+:class:`~lmcache.engine.chunk_moves.StoreCommitter`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lmcache.chunk_moves import Pending, StoreCommitter, release_all
+from lmcache.engine.chunk_moves import Pending, StoreCommitter, release_all
 from lmcache.gpu_connector.checksums import StoreChecksums
 from lmcache.gpu_connector.interface import ChunkTransfer, GPUConnectorInterface, TransferSpec
 

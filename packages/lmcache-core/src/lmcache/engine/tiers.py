@@ -2,8 +2,8 @@
 """What the cache engine and its helpers share: the tier stack, metrics and chunk geometry.
 
 :class:`~lmcache.cache_engine.LMCacheEngine` builds one :class:`EngineTiers`.
-It hands it to the helpers that acquire hits (:mod:`lmcache.engine_hits`), allocate and commit
-stores (:mod:`lmcache.engine_stores`) and check loads (:mod:`lmcache.load_checks`).
+It hands it to the helpers that acquire hits (:mod:`lmcache.engine.hits`), allocate and commit
+stores (:mod:`lmcache.engine.stores`) and check loads (:mod:`lmcache.engine.load_checks`).
 A tier that fails is a miss: :meth:`EngineTiers.tier_error` counts and logs it.
 """
 

@@ -13,8 +13,8 @@ import logging
 import time
 from collections.abc import Sequence
 
-from lmcache.chunk_moves import Pending
-from lmcache.engine_tiers import EngineTiers
+from lmcache.engine.chunk_moves import Pending
+from lmcache.engine.tiers import EngineTiers
 from lmcache.gpu_connector.checksums import LoadChecks
 from lmcache.gpu_ops._ref import chunk_checksum
 
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 class LoadChecker:
     """Checks and counts the chunks of one engine's loads; a
-    :class:`~lmcache.chunk_moves.LoadFinisher`.
+    :class:`~lmcache.engine.chunk_moves.LoadFinisher`.
 
     Args:
         tiers: The engine's tiers, metrics and chunk geometry.

@@ -14,8 +14,8 @@ import logging
 import time
 from collections.abc import Sequence
 
-from lmcache.chunk_moves import Pending
-from lmcache.engine_tiers import EngineTiers
+from lmcache.engine.chunk_moves import Pending
+from lmcache.engine.tiers import EngineTiers
 from lmcache.gpu_connector.interface import ChunkTransfer
 from lmcache.request_plan import RequestPlan
 from lmcache.tiers import cascade
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 class StoreWriter:
     """Leases the buffers of one engine's stores and commits them; a
-    :class:`~lmcache.chunk_moves.StoreCommitter`.
+    :class:`~lmcache.engine.chunk_moves.StoreCommitter`.
 
     Args:
         tiers: The engine's tiers, metrics and chunk geometry.

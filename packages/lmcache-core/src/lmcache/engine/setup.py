@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from lmcache.config import ConfigError
-from lmcache.engine_hits import HitReader
-from lmcache.engine_stores import StoreWriter
-from lmcache.engine_tiers import EngineTiers
+from lmcache.engine.hits import HitReader
+from lmcache.engine.load_checks import LoadChecker
+from lmcache.engine.stores import StoreWriter
+from lmcache.engine.tiers import EngineTiers
 from lmcache.gpu_connector.interface import (
     GPUConnectorInterface,
     TransferSpec,
     supports_layerwise,
 )
-from lmcache.load_checks import LoadChecker
 from lmcache.memory import HostMemoryPool, aligned_bytes
 from lmcache.metrics import LMCacheMetrics
 from lmcache.request_plan import ExtraKeys, RequestPlan, Tokens, plan_request
