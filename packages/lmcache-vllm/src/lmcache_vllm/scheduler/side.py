@@ -1,41 +1,34 @@
 # SPDX-License-Identifier: Apache-2.0
 """Scheduler side of the lmcache connector: what to load and save for each request.
 
-vLLM calls these from its scheduler loop, so nothing here may raise into vLLM: every entry point
-turns an lmcache-side failure (a hostile request field, a worker that does not answer, a bug)
-into a miss for that request, logged once per kind of failure and counted
+vLLM calls these from its scheduler loop, so nothing here may raise into vLLM. Every entry point
+turns an lmcache-side failure into a miss for that request: a hostile request field, a worker
+that does not answer, a bug. Each kind of failure is logged once and counted
 (``scheduler_failures`` in the connector stats).
 
 Per request:
 
-1. :meth:`SchedulerSide.get_num_new_matched_tokens`: derives the request's key material
-   (:mod:`lmcache_vllm.scheduler.request_keys`), asks every worker rank in parallel how many leading
-   prompt tokens lmcache holds (:mod:`lmcache_vllm.scheduler.lookup_client`; each rank *leases* the
-   chunks it found, so they cannot be evicted before the load) and reports the tokens beyond vLLM's
-   own prefix-cache hit, ending on a block boundary before the last prompt token (as vLLM's own
-   prefix cache does: vLLM computes at least the last token, and never starts mid-block).
-2. :meth:`SchedulerSide.update_state_after_alloc` then :meth:`SchedulerSide.build_connector_meta`:
-   records what to load (``[vllm_cached, load_end)``) and what to save (tokens computed this
-   step that are not saved yet, never beyond the request's known tokens: with speculative
-   decoding a step also computes draft tokens, which vLLM accepts or rejects only after it, so
-   a chunk that drafts complete is saved at the next step, once they are accepted) in plain
-   dataclasses pickled to the workers.
-   With a disk or remote tier configured, a lookup may read chunks from them before it can
-   promise anything (they are leased only once in host memory), which can take longer than a
-   scheduler step: the lookup then runs on a background thread and the method returns ``None``
-   (vLLM's "ask again later") until the answer is in, so the scheduler never waits for a disk or
-   a network. Such a lookup has a deadline
-   (:data:`~lmcache_vllm.scheduler.prefix_lookups.ASYNC_LOOKUP_TIMEOUT_S`, past which it is a miss,
-   counted in ``lookup_timeouts``), on every path: a worker in this process is asked on a daemon
-   thread, others over their sockets; the tiers bound each read themselves (``tier_timeout``).
-   Several run at once (:data:`~lmcache_vllm.scheduler.prefix_lookups.LOOKUP_THREADS`), so a slow
-   one never holds up the lookups of other requests.
-3. :meth:`SchedulerSide.request_finished`: forgets the request. vLLM frees its blocks at once:
-   saves are asynchronous, but every worker step first waits until queued saves have copied
-   their pages (:mod:`lmcache_vllm.worker.save_queue`), so a freed block is never rewritten while a
-   save reads it. A chunk completed by drafts accepted in the request's last step is saved
-   from the freed blocks by the workers at the start of the next step, before it rewrites any
-   page (``LMCacheConnectorMetadata.finished``).
+1. :meth:`SchedulerSide.get_num_new_matched_tokens` derives the request's key material
+   (:mod:`lmcache_vllm.scheduler.request_keys`). It asks every worker rank in parallel how many
+   leading prompt tokens lmcache holds (:mod:`lmcache_vllm.scheduler.lookup_client`). Each rank
+   *leases* the chunks it found, so they cannot be evicted before the load. The method reports
+   the tokens beyond vLLM's own prefix-cache hit. The hit ends on a block boundary before the
+   last prompt token, as vLLM's own hits do. When vLLM's hit already reaches that point, no rank
+   is asked.
+2. :meth:`SchedulerSide.update_state_after_alloc` and :meth:`SchedulerSide.build_connector_meta`
+   record what to load (``[vllm_cached, load_end)``) and what to save. Plain dataclasses carry
+   both to the workers. A save never goes beyond the request's known tokens: with speculative
+   decoding, a chunk that drafts complete is saved at the next step, once they are accepted.
+3. :meth:`SchedulerSide.request_finished` forgets the request. vLLM frees its blocks at once.
+   Every worker step first waits until queued saves have copied their pages
+   (:mod:`lmcache_vllm.worker.save_queue`), so a freed block is never rewritten under a save.
+
+Some lookups take longer than a scheduler step: with a disk or remote tier, and on CUDA with
+checksums, where the worker checks the hit on the GPU before it answers. Those run on a thread
+pool (:mod:`lmcache_vllm.scheduler.prefix_lookups`). The method then returns ``None``, vLLM's
+"ask again later", until the answer is in. Such a lookup has a deadline
+(:data:`~lmcache_vllm.scheduler.prefix_lookups.ASYNC_LOOKUP_TIMEOUT_S`); past it, it is a miss,
+counted in ``lookup_timeouts``.
 """
 
 from __future__ import annotations

@@ -1,33 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
 """Chunks leased at lookup time, held per request until its load (or its end).
 
-When the scheduler reports N matched tokens to vLLM, the chunks behind them must still be there
-when the worker loads them: vLLM's ``kv_load_failure_policy="recompute"`` is unreliable on some
-model runners, so a promised load must not fail in normal operation. Each worker rank's lookup
-therefore takes verified leases on the chunks it found (:meth:`LMCacheEngine.lookup_and_lease`)
-and parks them here under the request id: a leased chunk is never evicted, and its checksum was
-checked once, at lookup. The load uses them and releases them; so do the request's end, a
+When the scheduler promises vLLM N matched tokens, the chunks behind them must still be there
+when the worker loads them. A failed load is not a safe fallback: vLLM's default
+``kv_load_failure_policy`` fails the request, and ``"recompute"`` is unreliable on some model
+runners. So each rank's lookup takes verified leases on the chunks it found
+(:meth:`LMCacheEngine.lookup_and_lease`) and parks them here under the request id. A leased
+chunk is never evicted. The load uses the leases and releases them. So do the request's end, a
 newer lookup of the same request, and a timeout for requests that vanished (counted).
 
-A lookup may still be running when its request ends (aborted while its lookup reads a slow disk,
-or past the scheduler's deadline): :meth:`LookupLeases.finish` remembers ended requests for a while,
-so a lease put for one of them afterwards is released at once instead of waiting for the
-timeout. vLLM makes every request id unique (a random suffix), so an id never comes back.
+A lookup may still be running when its request ends, e.g. aborted while its lookup reads a slow
+disk. :meth:`LookupLeases.finish` remembers ended requests for a while, so a lease put for one
+of them later is released at once. vLLM makes every request id unique, so an id never returns.
 
-A hit also keeps what its chunk keys were computed for (:class:`LookedUp`: the lookup's token
-ids, salt and extra keys), so the load reuses the keys instead of hashing the prompt again, but
-only for leading chunks whose tokens, salt and extra keys it finds equal
-(:meth:`LookedUp.keys_for`); anything else is hashed again. The keys never leave the worker
-process that computed them (they depend on its rank's fingerprint): nothing is added to the
-metadata the scheduler sends.
+A hit also keeps what its chunk keys were computed for (:class:`LookedUp`: token ids, salt,
+extra keys). The load reuses the keys of the leading chunks whose tokens, salt and extra keys it
+finds equal (:meth:`LookedUp.keys_for`), and hashes the rest again. Keys never leave the worker
+process that computed them, since they depend on its rank's fingerprint.
 
-Comparing token ids costs about as much as hashing them unless the two lists share their int
-objects, so the keys are reused only then: when the scheduler and the worker share a process
-(vLLM's single-worker engine core, also in its default multiprocess mode), the lookup's and the
-load's tokens are both slices of the request's prompt list, and the comparison is a pointer
-walk (about a third of hashing again, measured: ``benchmarks/lookup.py`` times the hashing).
-When the metadata was pickled to the worker (several ranks) or the lookup came over a socket,
-the load hashes its tokens again: the cheaper, equally safe way.
+Comparing token ids costs about as much as hashing them, unless both lists share their int
+objects. That is the case when the scheduler and the worker share a process (vLLM's
+single-worker engine core, also in its default multiprocess mode): comparing is then a pointer
+walk, about a third of hashing again (``benchmarks/lookup.py``). When the metadata was pickled to
+the worker, or the lookup came over a socket, the load hashes its tokens again.
 """
 
 from __future__ import annotations

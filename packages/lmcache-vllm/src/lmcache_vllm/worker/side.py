@@ -1,44 +1,39 @@
 # SPDX-License-Identifier: Apache-2.0
 """Worker side of the lmcache connector: moves KV between vLLM's pages and lmcache.
 
-One per worker process (vLLM keeps one worker-side connector per process). Per step:
+vLLM keeps one worker-side connector per worker process. Per step:
 
-1. :meth:`WorkerSide.bind`: orders this step's writes of vLLM's pages after the reads of the
-   saves queued so far (vLLM may now rewrite freed or preempted blocks): on CUDA the compute
-   stream waits on the device for each save's gather, the host only until the gathers are
-   enqueued; then notes this step's batched saves and releases leases of preempted requests and
-   stale ones. Their planning (chunk keys, host buffers, one copy plan for all of them) is
-   queued on the copy thread at the forward's last layer (:meth:`WorkerSide.save_kv_layer`),
-   once vLLM's thread has enqueued the forward, and runs while the step computes. Earlier,
-   first thing in the step, :meth:`WorkerSide.handle_preemptions` fences preempted requests'
-   blocks and copies chunks of requests that finished at the last step whose tokens became
-   known only after it (speculative decoding), before vLLM rewrites their freed blocks.
-2. :meth:`WorkerSide.start_load_kv`: loads every request's hit from the chunks this rank leased
-   at lookup (:mod:`lmcache_vllm.worker.lookup_leases`). On CUDA the copies are enqueued on a load
-   stream and the compute stream waits for them on the device (batched: all layers at once;
-   layerwise: in layer groups, :meth:`WorkerSide.wait_for_layer_load` orders each layer's
-   compute after its group, :mod:`lmcache_vllm.worker.layerwise_step`); the host waits for them only
-   in ``wait_for_save``, after the forward is enqueued. On the CPU, one synchronous
-   ``LMCacheEngine.retrieve`` per request. Tokens that did not arrive make their blocks a load
-   error (vLLM's ``get_block_ids_with_load_errors``).
-3. :meth:`WorkerSide.wait_for_save`: queues the step's one copy of every planned save on the
-   :class:`~lmcache_vllm.worker.save_queue.SaveQueue` and returns at once (on CUDA the copy is
-   enqueued on a store stream after an event recorded after the step's compute, and the commit
-   thread waits for it to reach the host, then publishes each request's chunks once vLLM's thread is
-   likely waiting on the GPU: :class:`~lmcache_vllm.worker.save_queue.QuietGate`); layerwise,
-   :meth:`WorkerSide.save_kv_layer` queues each layer's copy the same way.
-4. :meth:`WorkerSide.get_finished`: releases finished requests' leases; nothing is held for
-   lmcache, so nothing is reported as finished sending.
+1. :meth:`WorkerSide.handle_preemptions` runs first. It fences the blocks of preempted requests.
+   It also saves chunks that drafts of speculative decoding completed in a finished request's
+   last step, before vLLM rewrites their freed blocks.
+2. :meth:`WorkerSide.bind` orders this step's writes of vLLM's pages after the reads of the
+   saves queued so far. On CUDA the compute stream waits on the device for each save's gather;
+   the host waits only until those gathers are enqueued. It then notes this step's saves and
+   releases the leases of preempted and stale requests.
+3. :meth:`WorkerSide.start_load_kv` loads each request's hit from the chunks this rank leased at
+   lookup (:mod:`lmcache_vllm.worker.lookup_leases`). On CUDA the copies go on a load stream and
+   the compute stream waits for them on the device. The host waits for them only in
+   ``wait_for_save``, after the forward is enqueued. On the CPU each load is one synchronous
+   ``LMCacheEngine.retrieve``. Tokens that do not arrive make their blocks load errors.
+4. At the forward's last layer (:meth:`WorkerSide.save_kv_layer`) the planning of this step's
+   saves is queued on the copy thread: chunk keys, host buffers, one copy plan for all of them.
+5. :meth:`WorkerSide.wait_for_save` queues the step's one copy of every planned save on the
+   :class:`~lmcache_vllm.worker.save_queue.SaveQueue` and returns at once. On CUDA the copy waits
+   on the device for the step's compute. The commit thread waits for the bytes to reach the
+   host, then publishes them when vLLM's thread is likely waiting on the GPU
+   (:class:`~lmcache_vllm.worker.save_queue.QuietGate`).
+6. :meth:`WorkerSide.get_finished` releases finished requests' leases.
 
-The parts live in modules of their own: :mod:`~lmcache_vllm.worker.loads` (loads),
-:mod:`~lmcache_vllm.worker.batched_saves` (batched saves),
-:mod:`~lmcache_vllm.worker.hit_prefetch` (device copies of hits at lookup) and
-:mod:`~lmcache_vllm.worker.layerwise_step` (layerwise loads and saves).
+A lookup runs on the lookup server's thread (:mod:`lmcache_vllm.worker.lookup_server`). On CUDA
+it starts the hit's copy to the device and checks its checksums there before it answers
+(:mod:`~lmcache_vllm.worker.hit_prefetch`). Loads are in :mod:`~lmcache_vllm.worker.loads`,
+batched saves in :mod:`~lmcache_vllm.worker.batched_saves`, layerwise loads and saves in
+:mod:`~lmcache_vllm.worker.layerwise_step`.
 
-Loads and saves share one transfer lock: a load waits for a save *enqueueing* its copy at that
-moment (the connector's planning state is not shared between concurrent calls; every transfer
-has its own device staging buffer). A save's planning runs outside the lock: the only
-connector state it shares with a load, the pinned slot-index ring, has a lock of its own.
+Loads and saves share one transfer lock. A load waits for a save that is *enqueueing* its copy at
+that moment: the connector's planning state is not shared between concurrent calls. A save's
+planning runs outside the lock. The only connector state it shares with a load, the pinned
+slot-index ring, has a lock of its own.
 """
 
 from __future__ import annotations
