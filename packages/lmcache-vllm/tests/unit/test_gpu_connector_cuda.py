@@ -8,7 +8,7 @@ import torch
 
 from lmcache.gpu_connector import EngineInfo
 from lmcache_vllm.gpu_connector import VLLMPagedConnector
-from lmcache_vllm.transfer.fused_transfer import FusedTransfer
+from lmcache_vllm.transfer.fused.transfer import FusedTransfer
 from lmcache_vllm.transfer.token_transfer import TokenTransfer
 
 from . import test_gpu_connector_conformance as cpu_suite
@@ -176,7 +176,7 @@ def test_prefetched_chunks_load_like_host_chunks(alloc, monkeypatch):
     from lmcache.gpu_connector import ChunkTransfer, TransferSpec
     from lmcache.memory.pinned_pool import HostMemoryPool
     from lmcache.metadata import LMCacheMetadata
-    from lmcache_vllm.transfer.fused_transfer import Prefetched
+    from lmcache_vllm.transfer.fused.transfer import Prefetched
 
     L, H, D, P, CS, NB, N = 3, 4, 64, 16, 64, 64, 200
     md = LMCacheMetadata(
@@ -290,7 +290,7 @@ def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, path, mon
     from lmcache.gpu_connector import ChunkTransfer, TransferSpec
     from lmcache.memory.pinned_pool import HostMemoryPool
     from lmcache.metadata import LMCacheMetadata
-    from lmcache_vllm.transfer.verified_scatter import ChunkChecksums
+    from lmcache_vllm.transfer.fused.verified_scatter import ChunkChecksums
 
     monkeypatch.setattr(FusedTransfer, "kernel_gather", path == "kernel")
     L, H, D, P, CS, NB, N = 4, 8, 128, 16, 256, 128, 900

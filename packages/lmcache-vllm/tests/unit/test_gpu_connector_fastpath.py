@@ -17,7 +17,7 @@ from lmcache.memory.pinned_pool import ALIGNMENT
 from lmcache.metadata import LMCacheMetadata
 from lmcache_vllm.gpu_connector import VLLMPagedConnector
 from lmcache_vllm.testing.chunk_buffers import chunk_buffers as _buffers
-from lmcache_vllm.transfer.fused_plan import add_run
+from lmcache_vllm.transfer.fused.plan import add_run
 from lmcache_vllm.transfer.token_transfer import TokenTransfer
 
 BLOCK, NUM_BLOCKS, LAYERS, CHUNK = 4, 40, 3, 8

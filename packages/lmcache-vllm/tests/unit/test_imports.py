@@ -33,7 +33,7 @@ def test_public_names():
 def test_gpu_connector_and_lookup_do_not_import_vllm():
     code = (
         "import sys, lmcache_vllm, lmcache_vllm.gpu_connector, lmcache_vllm.scheduler.lookup_client, "
-        "lmcache_vllm.transfer.fused_transfer, lmcache_vllm.vllm_types, lmcache_vllm.utils; "
+        "lmcache_vllm.transfer.fused.transfer, lmcache_vllm.vllm_types, lmcache_vllm.utils; "
         "assert 'vllm' not in sys.modules, 'vllm imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

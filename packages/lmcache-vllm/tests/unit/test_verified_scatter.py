@@ -18,9 +18,9 @@ import torch
 
 from lmcache.gpu_connector import ChunkTransfer, TransferSpec
 from lmcache.gpu_ops import chunk_checksum
-from lmcache_vllm.transfer.fused_transfer import FusedTransfer
+from lmcache_vllm.transfer.fused.transfer import FusedTransfer
+from lmcache_vllm.transfer.fused.verified_scatter import ChunkChecksums
 from lmcache_vllm.transfer.token_transfer import TokenTransfer
-from lmcache_vllm.transfer.verified_scatter import ChunkChecksums
 
 from .test_gpu_connector_fastpath import BLOCK, DEVICES, NUM_BLOCKS, _caches, _conn, _md
 

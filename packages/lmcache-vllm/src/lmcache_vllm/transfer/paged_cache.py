@@ -6,7 +6,7 @@
   per-layer views, their block format, block size, heads and dtype), handed to a strategy at
   construction. A strategy reads nothing else of the connector.
 - :class:`PagedTransfer`: what a strategy does, "layers ``range(a, b)`` of these chunks" in each
-  direction. The strategies are :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer` (all
+  direction. The strategies are :class:`~lmcache_vllm.transfer.fused.transfer.FusedTransfer` (all
   layers per op, chunk-major staging),
   :class:`~lmcache_vllm.transfer.cpu_block_transfer.CpuBlockTransfer` (vLLM's CPU block formats,
   block by block) and

@@ -36,7 +36,7 @@ The strategy gets what it needs as constructor arguments and reads nothing of th
   op when they share a buffer.
 - ``kv_concat`` and ``mla`` (CPU, or a device with ``config.gpu_staging_buffer``) whose layers
   are views of one buffer with a uniform step (how vLLM allocates them), or share strides:
-  :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer`, one strided all-layer view (or one
+  :class:`~lmcache_vllm.transfer.fused.transfer.FusedTransfer`, one strided all-layer view (or one
   view per layer), chunk-major staging, merged copy-engine DMAs, device copies ahead of a load.
 - anything else (layers that differ in strides, ``cpu_amx``, ``cpu_kt_v`` on a GPU, no device
   staging): :class:`~lmcache_vllm.transfer.token_transfer.TokenTransfer`, layer by layer, token by
@@ -57,7 +57,7 @@ from lmcache.devices import DeviceBackend, get_backend
 from lmcache.gpu_connector.interface import ChunkTransfer, EngineInfo, KVLayoutError, TransferSpec
 from lmcache.gpu_connector.layer_range import LayerRangeConnector
 from lmcache_vllm.transfer.cpu_block_transfer import CpuBlockTransfer
-from lmcache_vllm.transfer.fused_transfer import FusedTransfer, Prefetched
+from lmcache_vllm.transfer.fused.transfer import FusedTransfer, Prefetched
 from lmcache_vllm.transfer.kv_formats import KV_FORMATS, describe
 from lmcache_vllm.transfer.paged_cache import PagedKVCache, PagedTransfer
 from lmcache_vllm.transfer.token_transfer import TokenTransfer
@@ -255,7 +255,7 @@ class VLLMPagedConnector(LayerRangeConnector):
         """Copy whole chunks (all layers) to a device staging buffer now, on ``stream``, for a
         later load (``TransferSpec.staged``); ``None`` unless the fused path on CUDA. See
         :meth:`FusedTransfer.prefetch
-        <lmcache_vllm.transfer.fused_transfer.FusedTransfer.prefetch>`."""
+        <lmcache_vllm.transfer.fused.transfer.FusedTransfer.prefetch>`."""
         fused = self.transfer
         if not isinstance(fused, FusedTransfer):
             return None
@@ -266,7 +266,7 @@ class VLLMPagedConnector(LayerRangeConnector):
     ) -> list[bool] | None:
         """Whether each chunk's host bytes match its ``checksum``, checked on the device now
         (waits); ``None`` unless :attr:`verifies_checksums`. See :meth:`FusedTransfer.
-        verify_chunks <lmcache_vllm.transfer.fused_transfer.FusedTransfer.verify_chunks>`."""
+        verify_chunks <lmcache_vllm.transfer.fused.transfer.FusedTransfer.verify_chunks>`."""
         fused = self.transfer
         if not isinstance(fused, FusedTransfer):
             return None

@@ -19,7 +19,7 @@ import torch
 
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.gpu_connector import ChunkTransfer, TransferSpec
-from lmcache_vllm.transfer.fused_plan import Prefetched
+from lmcache_vllm.transfer.fused.plan import Prefetched
 from lmcache_vllm.transfer.paged_connector import VLLMPagedConnector
 from lmcache_vllm.worker.layerwise_step import layer_groups
 

@@ -4,8 +4,8 @@
 :class:`FusedViews` describes one ``kv_concat`` or ``mla`` cache through strided all-layer views.
 It gathers the chunks' tokens into a chunk-major staging buffer and scatters them back.
 It copies staging to and from the chunks' host buffers through the device backend.
-:class:`~lmcache_vllm.transfer.fused_store.FusedStore` builds the store side on it, and
-:class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer` the load side.
+:class:`~lmcache_vllm.transfer.fused.store.FusedStore` builds the store side on it, and
+:class:`~lmcache_vllm.transfer.fused.transfer.FusedTransfer` the load side.
 This module never imports vLLM.
 """
 
@@ -19,17 +19,17 @@ import torch
 
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 from lmcache.gpu_connector.layer_range import transfer_stream
-from lmcache_vllm.transfer.fused_plan import (
+from lmcache_vllm.transfer.fused.plan import (
     HostRun,
     StagingOp,
     StagingPlan,
     plan_chunks,
     widen_rows,
 )
+from lmcache_vllm.transfer.fused.slot_indices import SlotIndices
+from lmcache_vllm.transfer.fused.verified_scatter import ChunkChecksums
 from lmcache_vllm.transfer.kv_formats import describe
 from lmcache_vllm.transfer.paged_cache import PagedKVCache, fuse_layers, wait_for_transfer
-from lmcache_vllm.transfer.slot_indices import SlotIndices
-from lmcache_vllm.transfer.verified_scatter import ChunkChecksums
 
 if TYPE_CHECKING:
     from lmcache.devices import DeviceBackend
@@ -168,7 +168,7 @@ class FusedViews:
     def _plan(
         self, layers: range, chunks: Sequence[ChunkTransfer], skip: int, piece_bytes: int = -1
     ) -> StagingPlan:
-        """:func:`~lmcache_vllm.transfer.fused_plan.plan_chunks` of this cache (``piece_bytes`` -1:
+        """:func:`~lmcache_vllm.transfer.fused.plan.plan_chunks` of this cache (``piece_bytes`` -1:
         :meth:`_piece_bytes`)."""
         return plan_chunks(
             layers,
@@ -181,7 +181,7 @@ class FusedViews:
         )
 
     def _fused_indices(self, plan: StagingPlan, transfer: TransferSpec) -> tuple[torch.Tensor, Any]:
-        """:meth:`SlotIndices.build <lmcache_vllm.transfer.slot_indices.SlotIndices.build>`: the
+        """:meth:`SlotIndices.build <lmcache_vllm.transfer.fused.slot_indices.SlotIndices.build>`: the
         device indices of ``plan``'s staging tokens and the check to call before trusting a
         scatter."""
         return self._indices.build(plan, transfer)

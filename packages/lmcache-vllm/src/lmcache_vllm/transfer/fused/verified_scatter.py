@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Chunk checksums on the device for the fused path: sums on store, verified scatters on load.
 
-:class:`ChunkChecksums` belongs to one :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer`
+:class:`ChunkChecksums` belongs to one :class:`~lmcache_vllm.transfer.fused.transfer.FusedTransfer`
 on a device with streams. It uses the ``torch.ops.lmcache`` kernels through :mod:`lmcache.gpu_ops`
 (the pure-torch reference where the extension is absent).
 
@@ -36,7 +36,7 @@ from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 
 if TYPE_CHECKING:
     from lmcache.devices import DeviceBackend
-    from lmcache_vllm.transfer.fused_plan import StagingPlan
+    from lmcache_vllm.transfer.fused.plan import StagingPlan
     from lmcache_vllm.transfer.paged_cache import PagedKVCache
 
 __all__ = ["ChunkChecksums", "LoadIndex"]

@@ -26,10 +26,10 @@ The connector builds :class:`FusedTransfer` from the
 It reads nothing of the connector.
 Its parts, one module each:
 
-- :mod:`~lmcache_vllm.transfer.fused_plan`: the staging plan.
-- :mod:`~lmcache_vllm.transfer.slot_indices`: the slot indices.
-- :mod:`~lmcache_vllm.transfer.fused_views`: the views, gathers, scatters and host copies.
-- :mod:`~lmcache_vllm.transfer.fused_store`: the store side.
+- :mod:`~lmcache_vllm.transfer.fused.plan`: the staging plan.
+- :mod:`~lmcache_vllm.transfer.fused.slot_indices`: the slot indices.
+- :mod:`~lmcache_vllm.transfer.fused.views`: the views, gathers, scatters and host copies.
+- :mod:`~lmcache_vllm.transfer.fused.store`: the store side.
 - this module: the load side (loads, prefetches, checks of hits) and construction.
 
 This module never imports vLLM.
@@ -47,10 +47,10 @@ import torch
 
 from lmcache.gpu_connector.checksums import LoadChecks
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
-from lmcache_vllm.transfer.fused_plan import Prefetched, StagingPlan, add_run
-from lmcache_vllm.transfer.fused_store import FusedStore
+from lmcache_vllm.transfer.fused.plan import Prefetched, StagingPlan, add_run
+from lmcache_vllm.transfer.fused.store import FusedStore
+from lmcache_vllm.transfer.fused.verified_scatter import LoadIndex
 from lmcache_vllm.transfer.paged_cache import PagedKVCache
-from lmcache_vllm.transfer.verified_scatter import LoadIndex
 
 if TYPE_CHECKING:
     from lmcache.devices import DeviceBackend

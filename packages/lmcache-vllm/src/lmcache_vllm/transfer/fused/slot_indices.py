@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The slot indices of :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer`'s gathers and
+"""The slot indices of :class:`~lmcache_vllm.transfer.fused.transfer.FusedTransfer`'s gathers and
 scatters.
 
 :class:`SlotIndices` turns a call's slot mapping into the device index tensor of its staging
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcache.gpu_connector.interface import TransferSpec
-from lmcache_vllm.transfer.fused_plan import StagingPlan
+from lmcache_vllm.transfer.fused.plan import StagingPlan
 from lmcache_vllm.transfer.paged_cache import PagedKVCache
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The staging plan of :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer`: where the
+"""The staging plan of :class:`~lmcache_vllm.transfer.fused.transfer.FusedTransfer`: where the
 chunks of one call lie in the chunk-major staging buffer, which gather/scatter ops and which host
 copies move them, and the objects a transfer made ahead hands to a later one (:class:`Prefetched`,
 :class:`PreparedStore`).
@@ -161,7 +161,7 @@ class StagingPlan:
 class Prefetched:
     """A device copy of whole chunks, all layers, in the chunk-major staging layout.
 
-    Made by :meth:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer.prefetch` on ``stream``;
+    Made by :meth:`~lmcache_vllm.transfer.fused.transfer.FusedTransfer.prefetch` on ``stream``;
     complete once ``event`` is. A later load whose staged chunks are a run of these (same token
     ranges, same host buffers) scatters from ``staging`` instead of copying from the host. Copied in
     layer groups, ``layer_events`` holds ``(layer stop, event)`` per group, in order: a load of
@@ -202,7 +202,7 @@ class Prefetched:
 @dataclass
 class PreparedStore:
     """A store's plan and device slot indices, made by
-    :meth:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer.prepare_store`
+    :meth:`~lmcache_vllm.transfer.fused.transfer.FusedTransfer.prepare_store`
     before the KV exists; valid for a copy of all layers of the same chunk list and slot
     mapping. ``uploaded``: CUDA event after the indices' upload."""
 

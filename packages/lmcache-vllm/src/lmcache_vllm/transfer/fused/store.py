@@ -17,8 +17,8 @@ import torch
 from lmcache import gpu_ops
 from lmcache.gpu_connector.checksums import StoreChecksums
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
-from lmcache_vllm.transfer.fused_plan import PreparedStore
-from lmcache_vllm.transfer.fused_views import FusedViews
+from lmcache_vllm.transfer.fused.plan import PreparedStore
+from lmcache_vllm.transfer.fused.views import FusedViews
 
 __all__ = ["FusedStore"]
 
@@ -28,7 +28,7 @@ def _no_check() -> None:
 
 
 class FusedStore(FusedViews):
-    """The store side of :class:`~lmcache_vllm.transfer.fused_transfer.FusedTransfer`."""
+    """The store side of :class:`~lmcache_vllm.transfer.fused.transfer.FusedTransfer`."""
 
     def _store_pieces(self, transfer: TransferSpec) -> int:
         """``piece_bytes`` of a store's plan: a deferred store (nobody waits for it) in one

@@ -1,0 +1,16 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fused path of :class:`~lmcache_vllm.transfer.paged_connector.VLLMPagedConnector`.
+
+It moves all layers of all chunks of a request at once, through one chunk-major device staging
+buffer and copy-engine DMAs. It runs on whichever thread calls the connector: vLLM's worker
+thread for loads, the save queue's copy thread for stores, a lookup thread for the device copy
+and check of a hit.
+
+- :mod:`~lmcache_vllm.transfer.fused.plan`: where each chunk lies in staging, and which copies
+  move it.
+- :mod:`~lmcache_vllm.transfer.fused.slot_indices`: the device indices of the strided path.
+- :mod:`~lmcache_vllm.transfer.fused.views`: the strided views, gathers, scatters and copies.
+- :mod:`~lmcache_vllm.transfer.fused.store`: stores, through the gather kernel or the views.
+- :mod:`~lmcache_vllm.transfer.fused.transfer`: loads, prefetches and checks of hits.
+- :mod:`~lmcache_vllm.transfer.fused.verified_scatter`: checksums and verified scatters.
+"""
