@@ -63,7 +63,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lmcache.engine.chunk_moves import release_all
+from lmcache.engine.chunk_moves import release_all, unmark
 from lmcache.engine.hits import check_held, hit_mask
 from lmcache.engine.setup import EngineSetup
 from lmcache.engine.store_plan import PlannedStore, StagedStore, StoreBatch
@@ -335,8 +335,7 @@ class LMCacheEngine(EngineSetup):
             release_all(pending)
         self._loads.count_loaded(pending, started)
         mask = hit_mask(plan, pending)
-        for pos in failed:
-            mask[pending[pos].chunk.start : pending[pos].chunk.end] = False
+        unmark(mask, pending, failed)
         return mask
 
     def store_layerwise(

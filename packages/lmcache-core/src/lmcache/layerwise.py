@@ -20,7 +20,13 @@ from typing import Any
 
 import torch
 
-from lmcache.engine.chunk_moves import LoadFinisher, Pending, StoreCommitter, release_all
+from lmcache.engine.chunk_moves import (
+    LoadFinisher,
+    Pending,
+    StoreCommitter,
+    release_all,
+    unmark,
+)
 from lmcache.engine.store_plan import PlannedStore, StagedStore, StoreBatch
 from lmcache.gpu_connector.checksums import LoadChecks
 from lmcache.gpu_connector.interface import (
@@ -247,9 +253,7 @@ class LayerwiseRetrieve(_LayerwiseOp):
             except BaseException:
                 self.abort()
                 raise
-            for i in failed:
-                chunk = self._pending[i].chunk
-                self._mask[chunk.start : chunk.end] = False
+            unmark(self._mask, self._pending, failed)
         self.abort()  # synchronize + release
         if self._pending:
             self._finisher.count_loaded(self._pending, self._started)

@@ -26,15 +26,12 @@ from lmcache.gpu_connector.interface import (
     TransferSpec,
 )
 from lmcache.gpu_ops import _ref, chunk_checksum
+from lmcache.gpu_ops.mix64sum import signed64
 from lmcache.metadata import LMCacheMetadata
 from lmcache.tiers import CPUTier
 
 CS, LAYERS, HEADS, HEAD, SLOTS = 16, 2, 2, 4, 256
 WIDTH = HEADS * HEAD * 2
-
-
-def _signed(v: int) -> int:
-    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 class SummingConnector(GPUConnectorInterface, SupportsLayerwise):
@@ -71,7 +68,7 @@ class SummingConnector(GPUConnectorInterface, SupportsLayerwise):
     ) -> StoreChecksums | None:
         for c in chunks:
             c.buffer.copy_(self.kv[:, transfer.slot_mapping[c.start : c.end]])
-        sums = [_signed(chunk_checksum(c.buffer)) for c in chunks]
+        sums = [signed64(chunk_checksum(c.buffer)) for c in chunks]
         return StoreChecksums(torch.tensor(sums, dtype=torch.int64))
 
     def _scatter(self, layers: range, c: ChunkTransfer, t: TransferSpec) -> None:
@@ -93,7 +90,7 @@ class SummingConnector(GPUConnectorInterface, SupportsLayerwise):
             self._scatter(layers, c, t)
         if self.mode == "none":
             return None
-        sums = [_signed(_layers_sum(c.buffer, layers)) for c in chunks]
+        sums = [signed64(_layers_sum(c.buffer, layers)) for c in chunks]
         return LoadChecks(range(len(chunks)), sums=torch.tensor(sums), layers=layers)
 
     def to_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> LoadChecks | None:

@@ -15,11 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from lmcache.gpu_connector.checksums import LoadChecks
 from lmcache.gpu_connector.interface import ChunkTransfer
 from lmcache.memory import MemoryLease
 
-__all__ = ["LoadFinisher", "Pending", "StoreCommitter", "release_all"]
+__all__ = ["LoadFinisher", "Pending", "StoreCommitter", "release_all", "unmark"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,14 @@ def release_all(pending: Sequence[Pending]) -> None:
     for p in pending:
         if not p.lease.released:
             p.lease.release()
+
+
+def unmark(mask: torch.Tensor, pending: Sequence[Pending], positions: Sequence[int]) -> None:
+    """Set ``mask`` ``False`` over the tokens of ``pending[i]`` for each ``i`` in ``positions``
+    (chunks that were not loaded)."""
+    for i in positions:
+        chunk = pending[i].chunk
+        mask[chunk.start : chunk.end] = False
 
 
 class StoreCommitter(Protocol):

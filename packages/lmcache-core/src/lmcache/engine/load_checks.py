@@ -17,6 +17,7 @@ from lmcache.engine.chunk_moves import Pending
 from lmcache.engine.tiers import EngineTiers
 from lmcache.gpu_connector.checksums import LoadChecks
 from lmcache.gpu_ops._ref import chunk_checksum
+from lmcache.gpu_ops.mix64sum import unsigned64
 
 __all__ = ["LoadChecker"]
 
@@ -67,7 +68,7 @@ class LoadChecker:
         for pos, (total, layers) in partial.items():
             if pos not in checked and layers == self._tiers.metadata.num_layers:
                 checked.add(pos)
-                if total % (1 << 64) != expected[pos]:
+                if unsigned64(total) != expected[pos]:
                     failed.add(pos)
         for pos, p in enumerate(pending):
             want = expected[pos]

@@ -16,14 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["LoadChecks", "StoreChecksums", "unsigned64"]
+from lmcache.gpu_ops.mix64sum import unsigned64
 
-_MASK64 = (1 << 64) - 1
-
-
-def unsigned64(value: int) -> int:
-    """The unsigned 64-bit value of an int64 checksum word (kernels store sums as int64)."""
-    return value & _MASK64
+__all__ = ["LoadChecks", "StoreChecksums"]
 
 
 class StoreChecksums:
@@ -35,10 +30,14 @@ class StoreChecksums:
 
     def __init__(self, host: torch.Tensor) -> None:
         self._host = host
+        self._values: list[int] | None = None
 
     def values(self) -> list[int]:
-        """The unsigned sums; call once the store's copies are complete."""
-        return [unsigned64(v) for v in self._host.tolist()]
+        """The unsigned sums; call once the store's copies are complete (read once, then kept:
+        each store of a batch reads its part)."""
+        if self._values is None:
+            self._values = [unsigned64(v) for v in self._host.tolist()]
+        return self._values
 
 
 class LoadChecks:

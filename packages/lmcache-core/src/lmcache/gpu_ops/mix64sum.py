@@ -31,6 +31,7 @@ __all__ = [
     "chunk_checksum_py",
     "mix64",
     "signed64",
+    "unsigned64",
     "word_sum",
 ]
 
@@ -50,6 +51,11 @@ def signed64(x: int) -> int:
     """The int64 with the bits of unsigned 64-bit ``x``."""
     x &= _MASK64
     return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def unsigned64(x: int) -> int:
+    """The unsigned 64-bit value of ``x``'s low 64 bits (an int64 checksum word, or a sum)."""
+    return x & _MASK64
 
 
 def mix64(x: int) -> int:

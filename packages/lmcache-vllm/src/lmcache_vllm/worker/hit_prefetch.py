@@ -70,14 +70,9 @@ class HitPrefetcher:
             or not connector.verifies_checksums
         ):
             return
-        sums = hit.checksums()
-        if all(s is None for s in sums):
+        chunks = self._chunks(hit)
+        if all(c.checksum is None for c in chunks):
             return
-        size = self.chunk_size
-        chunks = [
-            ChunkTransfer(i * size, min((i + 1) * size, hit.num_tokens), t, checksum=s)
-            for i, (t, s) in enumerate(zip(hit.tensors(), sums, strict=True))
-        ]
         pre = hit.prefetched if isinstance(hit.prefetched, Prefetched) else None
         try:
             ok = connector.verify_chunks(chunks, self._copy_stream, pre)
@@ -86,6 +81,14 @@ class HitPrefetcher:
             return
         if ok is not None:
             engine.cut_held_hit(hit, ok)
+
+    def _chunks(self, hit: HeldHit) -> list[ChunkTransfer]:
+        """The hit's chunks (token ranges from 0, host buffers, stored sums), in chain order."""
+        size = self.chunk_size
+        return [
+            ChunkTransfer(i * size, min((i + 1) * size, hit.num_tokens), t, checksum=s)
+            for i, (t, s) in enumerate(zip(hit.tensors(), hit.checksums(), strict=True))
+        ]
 
     def prefetch(self, engine: LMCacheEngine, hit: HeldHit) -> None:
         """Start copying a fresh hit to the device now, on the copy stream.
@@ -110,12 +113,7 @@ class HitPrefetcher:
                 return
             self.in_flight_bytes += nbytes
         try:
-            tensors = hit.tensors()
-            size = self.chunk_size
-            chunks = [
-                ChunkTransfer(i * size, min((i + 1) * size, hit.num_tokens), t)
-                for i, t in enumerate(tensors)
-            ]
+            chunks = self._chunks(hit)
             connector.check_chunks(
                 chunks, TransferSpec(torch.empty(hit.num_tokens, dtype=torch.long))
             )

@@ -24,6 +24,7 @@ Nothing here waits for the device. This module never imports vLLM.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ import torch
 from lmcache import gpu_ops
 from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
+from lmcache.gpu_ops.mix64sum import signed64
 
 if TYPE_CHECKING:
     from lmcache.devices import DeviceBackend
@@ -52,8 +54,8 @@ class LoadIndex:
         slots: ``[tokens]`` int64, the engine slot of each staging token; ``-1`` for tokens
             the engine holds already.
         chunk_of: ``[tokens]`` int64, the staged chunk of each staging token.
-        expected: ``[staged]`` int64, each chunk's stored sum (its bits).
-        has_sum: ``[staged]`` bool, whether the chunk has a stored sum.
+        expected: ``[2 * staged]`` int64, each chunk's stored sum (its bits), then whether it
+            has one (1 or 0).
         row_bytes: Staging bytes of one token (all staged layers).
     """
 
@@ -62,13 +64,27 @@ class LoadIndex:
     slots: torch.Tensor
     chunk_of: torch.Tensor
     expected: torch.Tensor
-    has_sum: torch.Tensor
     row_bytes: int
 
 
-def _signed(value: int) -> int:
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= 1 << 63 else value
+def _offsets(counts: Sequence[int]) -> list[int]:
+    """``[len(counts) + 1]`` running offsets of consecutive ranges of ``counts`` units."""
+    return [0, *itertools.accumulate(counts)]
+
+
+def _expected(checksums: Sequence[int | None]) -> list[int]:
+    """Each chunk's stored sum as int64 bits (0 without one), then a has-a-sum flag each: the
+    two halves :func:`_matches` compares against."""
+    return [*(signed64(c) if c is not None else 0 for c in checksums)] + [
+        int(c is not None) for c in checksums
+    ]
+
+
+def _matches(sums: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Per chunk, whether ``sums`` equals the stored sum, or the chunk has none; ``expected`` is
+    :func:`_expected` on the device."""
+    k = sums.numel()
+    return (sums == expected[:k]) | (expected[k:] == 0)
 
 
 class ChunkChecksums:
@@ -94,7 +110,9 @@ class ChunkChecksums:
 
     def store_sums(self, plan: StagingPlan, staging: torch.Tensor) -> StoreChecksums:
         """Enqueue the sums of every staged chunk (all layers) on the current stream."""
-        offsets = self._upload(_token_offsets(plan))
+        offsets = self._upload(
+            torch.tensor(_offsets([end - start for start, end, _ in plan.staged]))
+        )
         sums = gpu_ops.checksum_chunks(staging, offsets, unit_bytes=plan.row_bytes)
         return StoreChecksums(self._download(sums))
 
@@ -107,8 +125,6 @@ class ChunkChecksums:
         skip = transfer.skip_tokens
         positions: list[int] = []
         counts: list[int] = []
-        expected: list[int] = []
-        has: list[int] = []
         slot_parts: list[torch.Tensor] = []
         moved_parts: list[torch.Tensor] = []  # request token index of each moved token
         starts: list[int] = []  # staged chunks' first moved token (t0), for the -1 fill below
@@ -120,8 +136,6 @@ class ChunkChecksums:
             positions.append(i)
             counts.append(c.num_tokens)
             starts.append(t0)
-            expected.append(_signed(c.checksum) if c.checksum is not None else 0)
-            has.append(c.checksum is not None)
             slot_parts.append(sm[c.start : c.end].to(torch.int64))
             moved_parts.append(torch.arange(c.start + t0, c.end))
         k, total = len(positions), sum(counts)
@@ -137,16 +151,13 @@ class ChunkChecksums:
         self.cache.check_slots(host_slots[moved], lambda: torch.cat(moved_parts))
         host_slots[~moved] = -1
         chunk_of = torch.repeat_interleave(torch.arange(k, dtype=torch.int64), torch.tensor(counts))
-        offsets = [0]
-        for n in counts:
-            offsets.append(offsets[-1] + n)
+        expected = _expected([chunks[i].checksum for i in positions])
         packed = torch.cat(
             [
-                torch.tensor(offsets, dtype=torch.int64),
+                torch.tensor(_offsets(counts), dtype=torch.int64),
                 host_slots,
                 chunk_of,
                 torch.tensor(expected, dtype=torch.int64),
-                torch.tensor(has, dtype=torch.int64),
             ]
         )
         dev = self._upload(packed)
@@ -156,8 +167,7 @@ class ChunkChecksums:
             dev[:a],
             dev[a : a + total],
             dev[a + total : a + 2 * total],
-            dev[a + 2 * total : a + 2 * total + k],
-            dev[a + 2 * total + k :].bool(),
+            dev[a + 2 * total :],
             plan.row_bytes,
         )
 
@@ -172,7 +182,7 @@ class ChunkChecksums:
         """Verify every staged chunk (all layers), then scatter the ones that matched; all on
         the current stream. ``staging`` holds exactly the staged chunks, all layers."""
         sums = gpu_ops.checksum_chunks(staging, index.offsets, unit_bytes=index.row_bytes)
-        ok = (sums == index.expected) | ~index.has_sum
+        ok = _matches(sums, index.expected)
         slots = torch.where(ok[index.chunk_of], index.slots, -1)
         gpu_ops.scatter_kv(self.paged, slots, index.offsets, staging)
         return LoadChecks(index.positions, ok=self._download(ok))
@@ -244,13 +254,10 @@ class ChunkChecksums:
     ) -> torch.Tensor:
         """Enqueue: whether each byte range ``[bounds[i], bounds[i + 1])`` of ``data`` sums to
         ``expected[i]`` (a host tensor, readable once the stream's work completes)."""
-        meta = [*bounds, *(_signed(e) if e is not None else 0 for e in expected)]
-        meta += [int(e is not None) for e in expected]
-        dev = self._upload(torch.tensor(meta, dtype=torch.int64))
+        dev = self._upload(torch.tensor([*bounds, *_expected(expected)], dtype=torch.int64))
         k = len(expected)
         sums = gpu_ops.checksum_chunks(data, dev[: k + 1])
-        ok = (sums == dev[k + 1 : 2 * k + 1]) | (dev[2 * k + 1 :] == 0)
-        return self._download(ok)
+        return self._download(_matches(sums, dev[k + 1 :]))
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` on the device, through page-locked memory, without a host wait."""
@@ -266,11 +273,3 @@ class ChunkChecksums:
         host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
         self.backend.copy(host, dev, self.backend.current_stream(self.device))
         return host
-
-
-def _token_offsets(plan: StagingPlan) -> torch.Tensor:
-    """``[staged + 1]`` int64 staging token offsets of ``plan``'s staged chunks."""
-    offsets = [0]
-    for start, end, _ in plan.staged:
-        offsets.append(offsets[-1] + end - start)
-    return torch.tensor(offsets, dtype=torch.int64)
