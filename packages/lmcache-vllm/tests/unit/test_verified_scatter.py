@@ -152,6 +152,45 @@ def test_prefetched_load_is_verified_too() -> None:
     assert checks is not None and checks.ok() == [False, True, True, True]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="prefetch needs a CUDA device (streams)")
+@pytest.mark.parametrize("layers", ["all", "groups"])
+def test_prefetched_copy_freed_without_a_collection(layers: str) -> None:
+    """A device copy made at lookup dies with the last reference to its load, not at the next
+    full garbage collection: until it does, it holds the prefetch budget, and the next hit
+    would be copied twice (once to check it, once to load it)."""
+    import gc
+    import weakref
+
+    _, src = _checked_conn("lbnhc", "cuda", 15)
+    chunks = chunk_buffers(src, RANGES, "adjacent")
+    sums = src.from_gpu(chunks, TransferSpec(_slots(RANGES[-1][1], 16, "cpu")))
+    src.synchronize()
+    assert sums is not None
+    chunks = [
+        dataclasses.replace(c, checksum=s) for c, s in zip(chunks, sums.values(), strict=True)
+    ]
+    md, dst = _checked_conn("lbnhc", "cuda", 17)
+    stream = dst.backend.new_stream(dst.device)
+    gc.disable()
+    try:
+        staged = dst.prefetch(chunks, stream)
+        assert staged is not None
+        copy = weakref.ref(staged.staging)
+        spec = TransferSpec(_slots(RANGES[-1][1], 18, "cpu"), staged=staged)
+        if layers == "all":
+            checks = dst.to_gpu(chunks, spec)
+        else:
+            checks = dst.to_gpu_layers(range(0, 1), chunks, spec)
+            dst.to_gpu_layers(range(1, md.num_layers), chunks, spec)
+        dst.synchronize()
+        assert checks is not None
+        del staged, spec, checks
+        assert copy() is None
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scratch", [1 << 30, 1])
 @pytest.mark.parametrize("damage", ["flipped_bit", "other_chunk"])

@@ -174,8 +174,9 @@ class Prefetched:
     event: Any
     stream: Any
     layer_events: list[tuple[int, Any]] = field(default_factory=list)
-    # (transfer, chunk ranges and buffers) -> (plan, base, device indices) of the last load from
-    # this copy: a layerwise load scatters it in several layer groups with the same indices
+    # (weak reference to the transfer, chunk ranges and buffers) -> (plan, base, device indices)
+    # of the last load from this copy: a layerwise load scatters it in several layer groups
+    # with the same indices
     scatter_plan: tuple[Any, ...] | None = None
 
     def event_for(self, stop: int) -> Any:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -182,7 +183,7 @@ class FusedTransfer(FusedStore):
         cached = pre.scatter_plan
         verify = self._verifying(chunks)
         with self._stream_ctx(transfer):
-            if cached is not None and cached[0] is transfer and cached[1] == key:
+            if cached is not None and cached[0]() is transfer and cached[1] == key:
                 plan, base, idx = cached[2:]  # checked when first built
             else:
                 plan = self._plan(full, chunks, transfer.skip_tokens, piece_bytes=0)
@@ -196,7 +197,9 @@ class FusedTransfer(FusedStore):
                 else:
                     idx, check = self._fused_indices(plan, transfer)
                     check()
-                pre.scatter_plan = (transfer, key, plan, base, idx)
+                # a weak reference: ``transfer.staged`` is ``pre``, and a cycle would keep the
+                # device copy (and the prefetch budget it holds) until a full collection
+                pre.scatter_plan = (weakref.ref(transfer), key, plan, base, idx)
             main = backend.current_stream(self.device)
             backend.wait_event(main, pre.event_for(layers.stop))
             if main != pre.stream:
