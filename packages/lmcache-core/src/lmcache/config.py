@@ -109,7 +109,7 @@ class LMCacheConfig:
     remote_url: str | None = None
     """URL of the shared remote tier, or ``None``: ``redis://[user:password@]host:port/db``,
     ``rediss://`` (TLS), ``valkey://``, ``valkeys://``, ``redis+cluster://``,
-    ``redis+sentinel://`` (see :mod:`lmcache.tiers.redis_tier`)."""
+    ``redis+sentinel://`` (see :mod:`lmcache.tiers.redis.tier`)."""
 
     remote_namespace: str = "lmcache"
     """Prefix of every key lmcache writes to the remote tier (letters, digits, ``_.-``)."""

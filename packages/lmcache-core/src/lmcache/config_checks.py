@@ -201,7 +201,7 @@ def check_value(key: str, value: Any, source: str) -> None:
                 masked,
                 "lmcache's remote tier is Redis or Valkey; point it at one (redis://host:6379).",
             )
-        from lmcache.tiers.redis_url import parse_remote_url
+        from lmcache.tiers.redis.url import parse_remote_url
 
         try:
             parse_remote_url(value)
@@ -228,7 +228,7 @@ def mask_url(url: str) -> str:
     """``url`` with any password replaced by ``***`` (for messages and logs)."""
     # Imported on use, as parse_remote_url above: importing lmcache.tiers loads torch and the
     # tiers, which a config check does not need.
-    from lmcache.tiers.redis_url import mask_url as mask
+    from lmcache.tiers.redis.url import mask_url as mask
 
     return mask(url)
 
