@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """How one lmcache config value is parsed and checked, whatever source it came from.
 
-:mod:`lmcache.config` finds each value and its source; this module says whether it is valid.
+:mod:`lmcache.config.loader` finds each value and its source; this module says whether it is valid.
 Each check raises :class:`~lmcache.errors.ConfigError` naming the key, the source, the expected
 form, what was found and the fix.
 The field kinds are ``int``, ``bool``, ``float``, ``str`` and the optional ``str`` and ``bool``.
@@ -58,7 +58,7 @@ def field_kind(tp: Any) -> type | str:
     if isinstance(tp, types.UnionType) and set(typing.get_args(tp)) == {bool, type(None)}:
         return "optional_bool"
     raise TypeError(
-        f"LMCacheConfig field type {tp!r} has no loader; extend lmcache.config_checks.field_kind"
+        f"LMCacheConfig field type {tp!r} has no loader; extend lmcache.config.checks.field_kind"
     )
 
 
