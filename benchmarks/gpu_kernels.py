@@ -25,8 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from lmcache import _cext
-from lmcache.gpu_ops import PagedKV, gather_kv, scatter_kv
+from lmcache.gpu_ops import PagedKV, _cext, gather_kv, scatter_kv
 
 CHUNK = 256
 

@@ -34,7 +34,7 @@ import torch
 from lmcache.metrics import LMCacheMetrics
 from lmcache.tiers import ReadRequest, tensor_checksum
 from lmcache.tiers.chunk_format import fingerprint_digest
-from lmcache.tiers.disk_tier import DiskTier
+from lmcache.tiers.disk.tier import DiskTier
 from lmcache.tiers.lower_tier import LowerTier
 
 LAYERS, KV_HEADS, HEAD_DIM, CHUNK = 32, 8, 128, 256
@@ -186,7 +186,7 @@ def _redis(tmp: Path, keys, chunks, outs, checksums, repeat: int) -> list[tuple[
     import redis
 
     from lmcache.testing.redis_server import RedisServer, redis_server_path
-    from lmcache.tiers.redis_tier import RedisTier
+    from lmcache.tiers.redis.tier import RedisTier
 
     if redis_server_path() is None:
         print("redis: skipped (no redis-server or valkey-server on PATH)", flush=True)

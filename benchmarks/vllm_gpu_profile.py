@@ -103,7 +103,7 @@ class Profile:
         if spans:
             import importlib
 
-            from lmcache.layerwise import StagedStore
+            from lmcache.cache_engine import StagedStore
             from lmcache_vllm.worker.save_queue import QuietGate
 
             # the parts of a commit job: asleep (copy, gate) or publishing

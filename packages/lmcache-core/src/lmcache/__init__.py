@@ -14,7 +14,7 @@ Public entry points (imported lazily; ``import lmcache`` never imports an engine
 - :class:`lmcache.metadata.LMCacheMetadata` and :func:`lmcache.model_identity.model_digest`
   (what a model name stands for: configuration and weights)
 - :class:`lmcache.cache_engine.LMCacheEngine` (``lookup`` / ``lookup_and_lease`` / ``store`` /
-  ``retrieve``) and :class:`lmcache.held_hit.HeldHit` (a leased lookup hit)
+  ``retrieve``) and :class:`lmcache.cache_engine.HeldHit` (a leased lookup hit)
 - :func:`lmcache.gpu_connector.CreateGPUConnector` and the connector interface
 - :mod:`lmcache.keys` (chunk keys), :mod:`lmcache.memory` (host pool and leases),
   :mod:`lmcache.tiers` (CPU, disk and Redis/Valkey tiers), :mod:`lmcache.metrics` (Prometheus metrics)
@@ -45,7 +45,7 @@ _LAZY: dict[str, str] = {
     "ConfigError": "lmcache.errors",
     "LMCacheMetadata": "lmcache.metadata",
     "LMCacheEngine": "lmcache.cache_engine",
-    "HeldHit": "lmcache.held_hit",
+    "HeldHit": "lmcache.engine.held_hit",
     "CreateGPUConnector": "lmcache.gpu_connector",
 }
 

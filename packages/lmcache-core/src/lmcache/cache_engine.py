@@ -34,7 +34,7 @@ Semantics (LMCache's):
   prefix (a missing chunk ends it) and returns a mask that is ``True`` exactly for the tokens of
   the loaded chunks.
 - :meth:`LMCacheEngine.lookup_and_lease` is a lookup that also verifies and leases the hit
-  chunks (a :class:`~lmcache.held_hit.HeldHit`): they cannot be evicted until it is released,
+  chunks (a :class:`HeldHit`): they cannot be evicted until it is released,
   and a retrieve given ``held=`` loads them without hashing them again.
 - Every store, lookup or retrieve marks its run of chunks used in chain order (earlier chunks
   more recent), and a store records each chunk's parent (the previous chunk's key), so eviction
@@ -52,8 +52,10 @@ Where the parts live:
 - :mod:`lmcache.engine.hits` finds and leases hit chunks.
 - :mod:`lmcache.engine.stores` leases and publishes the chunks of a store.
 - :mod:`lmcache.engine.load_checks` checks loaded chunks against their checksums.
-- :mod:`lmcache.engine.store_plan` and :mod:`lmcache.layerwise` hold the objects a store or retrieve
-  returns. They reach the engine only through the protocols of :mod:`lmcache.engine.chunk_moves`.
+- :mod:`lmcache.engine.request_plan` validates a request and cuts it into chunks.
+- :mod:`lmcache.engine.held_hit` holds a leased lookup hit.
+- :mod:`lmcache.engine.store_plan` and :mod:`lmcache.engine.layerwise` hold the objects a store or
+  retrieve returns. They reach the engine only through the protocols of :mod:`lmcache.engine.chunk_moves`.
 """
 
 from __future__ import annotations
@@ -64,13 +66,13 @@ from collections.abc import Sequence
 import torch
 
 from lmcache.engine.chunk_moves import release_all, unmark
+from lmcache.engine.held_hit import HeldHit
 from lmcache.engine.hits import check_held, hit_mask
+from lmcache.engine.layerwise import LayerwiseRetrieve, LayerwiseStore
+from lmcache.engine.request_plan import ExtraKeys, Tokens
 from lmcache.engine.setup import EngineSetup
 from lmcache.engine.store_plan import PlannedStore, StagedStore, StoreBatch
 from lmcache.gpu_connector.interface import TransferSpec
-from lmcache.held_hit import HeldHit
-from lmcache.layerwise import LayerwiseRetrieve, LayerwiseStore
-from lmcache.request_plan import ExtraKeys, Tokens
 from lmcache.tiers import cascade
 
 __all__ = [
@@ -146,7 +148,7 @@ class LMCacheEngine(EngineSetup):
 
         Each chunk of the longest stored prefix is taken from the tier with its checksum
         verified; the first missing or mismatching chunk ends the hit. While the returned
-        :class:`~lmcache.held_hit.HeldHit` is held its chunks are not evicted, and
+        :class:`HeldHit` is held its chunks are not evicted, and
         :meth:`retrieve` / :meth:`retrieve_layerwise` given ``held=`` load them without
         verifying them again. Counts the same metrics as :meth:`lookup`.
 

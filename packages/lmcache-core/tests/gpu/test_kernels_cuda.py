@@ -23,9 +23,9 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from lmcache import _cext  # noqa: E402
 from lmcache.gpu_ops import (  # noqa: E402
     PagedKV,
+    _cext,
     _ref,
     checksum_chunks,
     chunk_checksum,

@@ -25,8 +25,8 @@ from lmcache.metrics import LMCacheMetrics
 from lmcache.testing import PagedCPUConnector
 from lmcache.testing.redis_server import RedisServer, redis_server_path
 from lmcache.tiers import CPUTier, LowerTier
-from lmcache.tiers.disk_tier import DiskTier
-from lmcache.tiers.redis_tier import RedisTier
+from lmcache.tiers.disk.tier import DiskTier
+from lmcache.tiers.redis.tier import RedisTier
 
 CS = 4
 LAYERS, HEADS, HEAD = 2, 2, 4

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from lmcache.config import LMCacheConfig, load_config
-from lmcache.config_table import (
+from lmcache.config.table import (
     BEGIN_MARKER,
     END_MARKER,
     REGENERATE_COMMAND,
@@ -105,7 +105,7 @@ def test_write_and_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 def test_runs_as_a_module() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "lmcache.config_table"],
+        [sys.executable, "-m", "lmcache.config.table"],
         capture_output=True,
         text=True,
         check=True,

@@ -32,7 +32,7 @@ from lmcache.memory import HostMemoryPool
 from lmcache.metrics import LMCacheMetrics
 from lmcache.tiers import tensor_checksum
 from lmcache.tiers.chunk_format import HEADER_BYTES, ChunkHeader, fingerprint_digest
-from lmcache.tiers.disk_tier import DiskTier
+from lmcache.tiers.disk.tier import DiskTier
 from lmcache.tiers.lower_tier import ReadRequest
 
 FP = fingerprint_digest(b"model-a")
@@ -731,7 +731,7 @@ def test_an_existing_open_folder_is_kept_with_a_warning(
     folder = tmp_path / "shared"
     folder.mkdir(mode=0o755)
     os.chmod(folder, 0o755)
-    with caplog.at_level(logging.WARNING, logger="lmcache.tiers.disk_tier"):
+    with caplog.at_level(logging.WARNING, logger="lmcache.tiers.disk.tier"):
         _tier(folder)
     assert "chmod 700" in caplog.text
     assert stat.S_IMODE(folder.stat().st_mode) == 0o755  # never chmod a folder we did not make

@@ -28,7 +28,7 @@ from lmcache.metrics import LMCacheMetrics
 from lmcache.testing import PagedCPUConnector
 from lmcache.tiers import CPUTier, LowerTier, ReadRequest, chunk_format, tensor_checksum
 from lmcache.tiers.chunk_format import HEADER_BYTES, ChunkHeader, CorruptChunk, fingerprint_digest
-from lmcache.tiers.disk_tier import DiskTier
+from lmcache.tiers.disk.tier import DiskTier
 from lmcache.tiers.prefix_lru import PrefixLRU
 
 CS = 4  # tokens per chunk

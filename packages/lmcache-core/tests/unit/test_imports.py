@@ -216,10 +216,10 @@ def test_log_level_from_environment() -> None:
 
 def test_top_level_lazy_names() -> None:
     import lmcache.cache_engine
-    import lmcache.held_hit
+    import lmcache.engine.held_hit
 
     assert "HeldHit" in lmcache.__all__ and "HeldHit" in dir(lmcache)
-    assert lmcache.HeldHit is lmcache.held_hit.HeldHit is lmcache.cache_engine.HeldHit
+    assert lmcache.HeldHit is lmcache.engine.held_hit.HeldHit is lmcache.cache_engine.HeldHit
     assert lmcache.LMCacheEngine is lmcache.cache_engine.LMCacheEngine
     assert sorted(lmcache.cache_engine.__all__) == [
         "ExtraKeys",

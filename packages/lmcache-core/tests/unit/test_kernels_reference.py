@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache import _cext
 from lmcache.gpu_ops import (
     CHECKSUM_NAME,
     CHECKSUM_VERSION,
     PagedKV,
+    _cext,
     _ref,
     checksum_chunks,
     chunk_checksum,
@@ -45,7 +45,7 @@ from lmcache.gpu_ops.testing import (
     random_slots,
 )
 
-CORE = Path(_cext.__file__).resolve().parents[2]  # packages/lmcache-core
+CORE = Path(_cext.__file__).resolve().parents[3]  # packages/lmcache-core
 BINDINGS = _cext.SOURCES_DIR / "torch_bindings.cpp"
 MASK = (1 << 64) - 1
 
@@ -443,7 +443,7 @@ def _run(code: str, **env: str) -> dict[str, object]:
 
 _PROBE = (
     "import json, torch\n"
-    "from lmcache import _cext\n"
+    "from lmcache.gpu_ops import _cext\n"
     "from lmcache.gpu_ops import chunk_checksum, checksum_chunks\n"
     "r = {}\n"
     "try:\n"

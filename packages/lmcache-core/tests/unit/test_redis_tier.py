@@ -31,7 +31,7 @@ from lmcache.tiers.chunk_format import HEADER_BYTES, fingerprint_digest
 from lmcache.tiers.lower_tier import ReadRequest
 
 redis = pytest.importorskip("redis", reason="redis-py not installed: pip install 'redis>=5'")
-from lmcache.tiers.redis_tier import PASSWORD_ENV, RedisTier, mask_url  # noqa: E402
+from lmcache.tiers.redis.tier import PASSWORD_ENV, RedisTier, mask_url  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     redis_server_path() is None,

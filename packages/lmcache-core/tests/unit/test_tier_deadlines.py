@@ -26,7 +26,7 @@ import torch
 from lmcache.memory import HostMemoryPool
 from lmcache.metrics import LMCacheMetrics
 from lmcache.tiers.chunk_format import fingerprint_digest
-from lmcache.tiers.disk_tier import DiskTier
+from lmcache.tiers.disk.tier import DiskTier
 from lmcache.tiers.lower_tier import ReadRequest
 from lmcache.tiers.tier_guard import Breaker, TierGuard, TierTimeout, TierUnavailable, progress
 
@@ -336,7 +336,7 @@ def test_redis_that_accepts_and_never_answers_is_a_miss_within_the_deadline(
     """The socket timeout (``remote_timeout``) is long here; the tier deadline cuts first, and
     the abandoned thread ends with the socket timeout: never held for ever."""
     pytest.importorskip("redis", reason="redis-py not installed: pip install 'redis>=5'")
-    from lmcache.tiers.redis_tier import RedisTier
+    from lmcache.tiers.redis.tier import RedisTier
 
     metrics = LMCacheMetrics()
     tier = RedisTier(silent.url, timeout=1.5, tier_timeout=DEADLINE, breaker_cooldown=0.0)
@@ -358,7 +358,7 @@ def test_redis_without_a_tier_deadline_is_bounded_by_its_socket_timeout(
     silent: SilentServer,
 ) -> None:
     pytest.importorskip("redis", reason="redis-py not installed: pip install 'redis>=5'")
-    from lmcache.tiers.redis_tier import RedisTier
+    from lmcache.tiers.redis.tier import RedisTier
 
     metrics = LMCacheMetrics()
     tier = RedisTier(

@@ -17,7 +17,7 @@ import xxhash
 from lmcache.memory import HostMemoryPool, MemoryLease
 from lmcache.metrics import LMCacheMetrics
 from lmcache.tiers import CPUTier, LowerTier, cascade
-from lmcache.tiers.disk_tier import DiskTier
+from lmcache.tiers.disk.tier import DiskTier
 
 SHAPE = (2, 4, 16)
 DTYPE = torch.bfloat16

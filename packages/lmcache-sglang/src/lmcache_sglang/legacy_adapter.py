@@ -30,12 +30,11 @@ from typing import Any
 
 import torch
 
-from lmcache.cache_engine import LayerwiseRetrieve, LMCacheEngine
+from lmcache.cache_engine import HeldHit, LayerwiseRetrieve, LMCacheEngine
 from lmcache.config import LMCacheConfig
 from lmcache.devices import get_backend
 from lmcache.gpu_connector import CreateGPUConnector
 from lmcache.gpu_connector.interface import EngineInfo, KVLayoutError, TransferSpec
-from lmcache.held_hit import HeldHit
 from lmcache.metadata import LMCacheMetadata
 from lmcache.metrics import LMCacheMetrics
 from lmcache.model_identity import hf_config_dict, model_digest

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from lmcache.held_hit import HeldHit
+    from lmcache.cache_engine import HeldHit
 
 __all__ = ["LMCacheExternalFlow", "LMCachePendingStore", "LoadOp", "LookupOp", "StoreOp"]
 

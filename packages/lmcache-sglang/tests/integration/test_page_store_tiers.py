@@ -29,8 +29,8 @@ from lmcache.memory import HostMemoryPool
 from lmcache.metrics import LMCacheMetrics
 from lmcache.testing.redis_server import RedisServer, redis_server_path
 from lmcache.tiers import CPUTier, LowerTier
-from lmcache.tiers.disk_tier import DiskTier
-from lmcache.tiers.redis_tier import RedisTier
+from lmcache.tiers.disk.tier import DiskTier
+from lmcache.tiers.redis.tier import RedisTier
 from lmcache_sglang.kv_pools import build_metadata, device_pool_layers
 from lmcache_sglang.page_store import PageStore
 from lmcache_sglang.testing import make_prompt

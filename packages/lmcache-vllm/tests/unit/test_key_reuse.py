@@ -18,7 +18,7 @@ import torch
 
 import lmcache.keys
 import lmcache_vllm.scheduler.lookup_client
-from lmcache.held_hit import HeldHit
+from lmcache.cache_engine import HeldHit
 from lmcache.keys import chunk_keys
 from lmcache_vllm.connector_metadata import LoadSpec, ReqMeta
 from lmcache_vllm.lookup_wire import LookupQuery, decode_request, encode_lookup

@@ -3,8 +3,8 @@
 
 A :class:`Pending` is one chunk that a store or retrieve is moving. It holds the chunk's key,
 the connector's view of it and the lease on its host buffer. The store objects
-(:mod:`lmcache.engine.store_plan`) and the layerwise objects (:mod:`lmcache.layerwise`) reach the
-engine only through the two protocols here. :class:`StoreCommitter` publishes the chunks of a
+(:mod:`lmcache.engine.store_plan`) and the layerwise objects (:mod:`lmcache.engine.layerwise`)
+reach the engine only through the two protocols here. :class:`StoreCommitter` publishes the chunks of a
 finished store. :class:`LoadFinisher` checks and counts the chunks of a finished load. The
 engine passes in objects that implement them, so these modules never import the engine.
 """

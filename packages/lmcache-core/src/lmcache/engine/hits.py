@@ -4,7 +4,7 @@
 A hit is the longest run of stored chunks of one request, searched in every tier
 (:func:`lmcache.tiers.cascade.hit_run`). A chunk found only below the CPU tier is read,
 verified and promoted first. Each hit chunk is leased, so it cannot be evicted while in use.
-A chunk of a :class:`~lmcache.held_hit.HeldHit` gets a share of its lease instead, not
+A chunk of a :class:`~lmcache.engine.held_hit.HeldHit` gets a share of its lease instead, not
 verified again. A chunk of the wrong shape is a miss.
 """
 
@@ -16,11 +16,11 @@ from collections.abc import Sequence
 import torch
 
 from lmcache.engine.chunk_moves import Pending
+from lmcache.engine.held_hit import HeldHit
+from lmcache.engine.request_plan import RequestPlan
 from lmcache.engine.tiers import EngineTiers
 from lmcache.gpu_connector.interface import ChunkTransfer
-from lmcache.held_hit import HeldHit
 from lmcache.memory import LeaseError, MemoryLease
-from lmcache.request_plan import RequestPlan
 from lmcache.tiers import cascade
 
 __all__ = ["HitReader", "check_held", "hit_mask"]

@@ -22,6 +22,7 @@ import torch
 from lmcache.config import ConfigError
 from lmcache.engine.hits import HitReader
 from lmcache.engine.load_checks import LoadChecker
+from lmcache.engine.request_plan import ExtraKeys, RequestPlan, Tokens, plan_request
 from lmcache.engine.stores import StoreWriter
 from lmcache.engine.tiers import EngineTiers
 from lmcache.gpu_connector.interface import (
@@ -31,7 +32,6 @@ from lmcache.gpu_connector.interface import (
 )
 from lmcache.memory import HostMemoryPool, aligned_bytes
 from lmcache.metrics import LMCacheMetrics
-from lmcache.request_plan import ExtraKeys, RequestPlan, Tokens, plan_request
 from lmcache.tiers import CPUTier, LowerTier, cascade, process_lower_tiers
 
 if TYPE_CHECKING:
@@ -211,7 +211,7 @@ class EngineSetup:
         On a shared tier (:func:`lmcache.tiers.process_cpu_tier`) the chunks of engines with
         other fingerprints (other models, geometry or ranks) stay. Engines with the same
         fingerprint share their chunks (same keys), so those go too. Leases held on the bytes
-        (a :class:`~lmcache.held_hit.HeldHit`, a retrieve in flight) stay valid.
+        (a :class:`~lmcache.engine.held_hit.HeldHit`, a retrieve in flight) stay valid.
 
         The lower tiers drop this fingerprint's entries too (after their queued writes land),
         including those other processes of the same model stored on a shared disk folder or

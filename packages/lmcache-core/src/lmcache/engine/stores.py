@@ -15,9 +15,9 @@ import time
 from collections.abc import Sequence
 
 from lmcache.engine.chunk_moves import Pending
+from lmcache.engine.request_plan import RequestPlan
 from lmcache.engine.tiers import EngineTiers
 from lmcache.gpu_connector.interface import ChunkTransfer
-from lmcache.request_plan import RequestPlan
 from lmcache.tiers import cascade
 
 __all__ = ["StoreWriter"]

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Device ops between an engine's paged KV and chunk-major staging, one typed wrapper per op.
 
-Each wrapper calls ``torch.ops.lmcache.<op>`` (the CUDA extension, :mod:`lmcache._cext`) when
-its tensors are on a CUDA device and the extension loads, and the pure-torch reference
-:mod:`lmcache.gpu_ops._ref` otherwise (CPU, XPU, no toolkit, ``LMCACHE_DISABLE_CEXT=1``); both
-give the same bytes and checksums. The first CUDA call loads (or JIT-builds) the extension.
+Each wrapper calls ``torch.ops.lmcache.<op>`` (the CUDA extension, loaded by
+:mod:`lmcache.gpu_ops._cext`) when its tensors are on a CUDA device and the extension loads, and
+the pure-torch reference :mod:`lmcache.gpu_ops._ref` otherwise (CPU, XPU, no toolkit,
+``LMCACHE_DISABLE_CEXT=1``); both give the same bytes and checksums. The first CUDA call loads (or JIT-builds) the extension.
 
 A transfer of ``num_chunks`` chunks of a request, all layers, in one launch::
 
@@ -29,8 +29,7 @@ from typing import Any
 
 import torch
 
-from lmcache import _cext
-from lmcache.gpu_ops import _ref
+from lmcache.gpu_ops import _cext, _ref
 from lmcache.gpu_ops._ref import CHECKSUM_NAME, CHECKSUM_VERSION, chunk_checksum
 
 __all__ = [

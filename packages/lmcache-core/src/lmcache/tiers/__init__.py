@@ -2,8 +2,8 @@
 """Storage tiers for KV chunks: CPU (pinned host memory), local disk, Redis/Valkey.
 
 :class:`CPUTier` holds chunks in host memory; :class:`~lmcache.tiers.lower_tier.LowerTier` is
-the contract of the tiers below it (:mod:`lmcache.tiers.disk_tier`,
-:mod:`lmcache.tiers.redis_tier`), which store :mod:`lmcache.tiers.chunk_format` entries. The
+the contract of the tiers below it (the subpackages :mod:`lmcache.tiers.disk` and
+:mod:`lmcache.tiers.redis`), which store :mod:`lmcache.tiers.chunk_format` entries. The
 process-wide instances come from :func:`process_cpu_tier` and :func:`process_lower_tiers`.
 """
 

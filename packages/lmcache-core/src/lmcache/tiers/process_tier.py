@@ -94,7 +94,7 @@ def process_lower_tiers(config: LMCacheConfig) -> list[LowerTier]:
 
 def _build_lower(config: LMCacheConfig, kind: object) -> LowerTier:
     if kind == "disk":
-        from lmcache.tiers.disk_tier import DiskTier
+        from lmcache.tiers.disk.tier import DiskTier
 
         assert config.local_disk is not None
         return DiskTier(
@@ -102,7 +102,7 @@ def _build_lower(config: LMCacheConfig, kind: object) -> LowerTier:
             int(config.max_local_disk_size * 1024**3),
             tier_timeout=config.tier_timeout or None,
         )
-    from lmcache.tiers.redis_tier import RedisTier
+    from lmcache.tiers.redis.tier import RedisTier
 
     assert config.remote_url is not None
     return RedisTier(

@@ -24,7 +24,7 @@ from lmcache_vllm.transfer.paged_connector import VLLMPagedConnector
 from lmcache_vllm.worker.layerwise_step import layer_groups
 
 if TYPE_CHECKING:
-    from lmcache.held_hit import HeldHit
+    from lmcache.cache_engine import HeldHit
 
 __all__ = ["HitPrefetcher"]
 

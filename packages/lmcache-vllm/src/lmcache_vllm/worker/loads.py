@@ -26,8 +26,7 @@ from lmcache_vllm.worker.hit_prefetch import HitPrefetcher
 from lmcache_vllm.worker.lookup_leases import LookedUp
 
 if TYPE_CHECKING:
-    from lmcache.cache_engine import LayerwiseRetrieve
-    from lmcache.held_hit import HeldHit
+    from lmcache.cache_engine import HeldHit, LayerwiseRetrieve
 
 __all__ = ["RequestLoads"]
 

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lmcache.held_hit import HeldHit
+from lmcache.cache_engine import HeldHit
 
 __all__ = ["LookupLeases", "LookedUp"]
 

@@ -73,8 +73,7 @@ from lmcache_vllm.worker.save_queue import (
 )
 
 if TYPE_CHECKING:
-    from lmcache.cache_engine import LayerwiseRetrieve
-    from lmcache.held_hit import HeldHit
+    from lmcache.cache_engine import HeldHit, LayerwiseRetrieve
 
 __all__ = ["SECOND_ENGINE_ERROR", "WorkerSide"]
 

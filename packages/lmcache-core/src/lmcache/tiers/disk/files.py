@@ -2,8 +2,8 @@
 """The disk tier's folder of chunk files: names, crash-safe writes, checked reads, the start scan.
 
 :class:`ChunkFiles` knows how one chunk lives on disk and nothing about quotas or recency.
-:class:`~lmcache.tiers.disk_tier.DiskTier` keeps the index and the LRU quota on top of it.
-The layout, the write protocol and the read path are described in :mod:`lmcache.tiers.disk_tier`.
+:class:`~lmcache.tiers.disk.tier.DiskTier` keeps the index and the LRU quota on top of it.
+The layout, the write protocol and the read path are described in :mod:`lmcache.tiers.disk.tier`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from lmcache.tiers.lower_tier import ReadRequest
 
 __all__ = ["SUFFIX", "TMP_PREFIX", "ChunkFiles", "FileInfo", "Ident", "local_path", "make_folder"]
 
-logger = logging.getLogger("lmcache.tiers.disk_tier")  # one logger name for the whole disk tier
+logger = logging.getLogger("lmcache.tiers.disk.tier")  # one logger name for the whole disk tier
 
 #: Suffix of a chunk file; its stem is the chunk key in hex.
 SUFFIX = ".lmc"

@@ -59,7 +59,7 @@ DISABLE_ENV = "LMCACHE_DISABLE_CEXT"
 REQUIRE_ENV = "LMCACHE_REQUIRE_CEXT"
 """``1``: fail (:class:`CextUnavailableError`) instead of falling back to the pure-torch ops."""
 
-SOURCES_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCES_DIR = Path(__file__).resolve().parents[1] / "csrc"
 """Where the extension's sources ship (package data)."""
 
 SOURCES = ("torch_bindings.cpp", "kv_ops.cpp", "kv_gather.cu", "kv_scatter.cu", "checksum.cu")

@@ -68,14 +68,14 @@ import torch
 from lmcache.errors import ConfigError, CorruptChunk
 from lmcache.tiers.chunk_format import HEADER_BYTES, ChunkHeader, verify_chunk
 from lmcache.tiers.lower_tier import LowerTier, ReadRequest
-from lmcache.tiers.redis_client import (
+from lmcache.tiers.redis.client import (
     RedisConnection,
     is_cluster,
     require_redis,
     send_packed,
     unlink_names,
 )
-from lmcache.tiers.redis_url import mask_url, parse_remote_url
+from lmcache.tiers.redis.url import mask_url, parse_remote_url
 from lmcache.tiers.tier_guard import Breaker, progress
 
 __all__ = ["PASSWORD_ENV", "RedisTier", "mask_url"]

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """How one lmcache config value is parsed and checked, whatever source it came from.
 
-:mod:`lmcache.config` finds each value and its source; this module says whether it is valid.
+:mod:`lmcache.config.loader` finds each value and its source; this module says whether it is valid.
 Each check raises :class:`~lmcache.errors.ConfigError` naming the key, the source, the expected
 form, what was found and the fix.
 The field kinds are ``int``, ``bool``, ``float``, ``str`` and the optional ``str`` and ``bool``.
@@ -58,7 +58,7 @@ def field_kind(tp: Any) -> type | str:
     if isinstance(tp, types.UnionType) and set(typing.get_args(tp)) == {bool, type(None)}:
         return "optional_bool"
     raise TypeError(
-        f"LMCacheConfig field type {tp!r} has no loader; extend lmcache.config_checks.field_kind"
+        f"LMCacheConfig field type {tp!r} has no loader; extend lmcache.config.checks.field_kind"
     )
 
 
@@ -201,7 +201,7 @@ def check_value(key: str, value: Any, source: str) -> None:
                 masked,
                 "lmcache's remote tier is Redis or Valkey; point it at one (redis://host:6379).",
             )
-        from lmcache.tiers.redis_url import parse_remote_url
+        from lmcache.tiers.redis.url import parse_remote_url
 
         try:
             parse_remote_url(value)
@@ -228,7 +228,7 @@ def mask_url(url: str) -> str:
     """``url`` with any password replaced by ``***`` (for messages and logs)."""
     # Imported on use, as parse_remote_url above: importing lmcache.tiers loads torch and the
     # tiers, which a config check does not need.
-    from lmcache.tiers.redis_url import mask_url as mask
+    from lmcache.tiers.redis.url import mask_url as mask
 
     return mask(url)
 

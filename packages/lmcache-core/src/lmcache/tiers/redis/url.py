@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Parsing and masking of the remote tier's ``remote_url`` (forms: :mod:`lmcache.tiers.redis_tier`).
+"""Parsing and masking of the remote tier's ``remote_url`` (forms: :mod:`lmcache.tiers.redis.tier`).
 
 :func:`parse_remote_url` validates a URL before any connection is made and raises
 :class:`~lmcache.errors.ConfigError` naming ``remote_url``, the expected forms and the fix, with

@@ -5,7 +5,7 @@
 Every operation runs through :meth:`RedisConnection.run`, which the breaker may refuse at once.
 A network failure drops the idle connections, since they are stale once the server restarts.
 :func:`send_packed` writes one command from several buffers without joining them.
-The timeouts and the breaker are described in :mod:`lmcache.tiers.redis_tier`.
+The timeouts and the breaker are described in :mod:`lmcache.tiers.redis.tier`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from lmcache.tiers.redis_url import RemoteTarget
+from lmcache.tiers.redis.url import RemoteTarget
 from lmcache.tiers.tier_guard import Breaker
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RedisConnection", "is_cluster", "require_redis", "send_packed", "unlink_names"]
 
-logger = logging.getLogger("lmcache.tiers.redis_tier")  # one logger name for the whole tier
+logger = logging.getLogger("lmcache.tiers.redis.tier")  # one logger name for the whole tier
 
 _T = TypeVar("_T")
 #: redis-py < 5.3 needs a command name for ``ConnectionPool.get_connection`` (later ones warn).

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""lmcache configuration: the frozen :class:`LMCacheConfig` and its loader.
+"""The config loader: the frozen :class:`LMCacheConfig` and :func:`load_config`.
 
 :func:`load_config` merges four sources, later ones winning::
 
@@ -18,7 +18,7 @@
 
 Every problem raises :class:`ConfigError`, naming the key, the source it came from (file path, env
 var name or overrides key), the expected form and what was found; an unknown key also names the
-nearest valid key. The checks of one value live in :mod:`lmcache.config_checks`.
+nearest valid key. The checks of one value live in :mod:`lmcache.config.checks`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from lmcache.config_checks import (
+from lmcache.config.checks import (
     LEGACY_NOOP_KEYS,
     apply_legacy,
     check_combination,
@@ -43,7 +43,7 @@ from lmcache.config_checks import (
     field_kind,
     mask_url,
 )
-from lmcache.config_checks import REMOTE_SCHEMES as REMOTE_SCHEMES  # it was defined here
+from lmcache.config.checks import REMOTE_SCHEMES as REMOTE_SCHEMES  # it was defined here
 from lmcache.errors import ConfigError
 
 __all__ = [
@@ -109,7 +109,7 @@ class LMCacheConfig:
     remote_url: str | None = None
     """URL of the shared remote tier, or ``None``: ``redis://[user:password@]host:port/db``,
     ``rediss://`` (TLS), ``valkey://``, ``valkeys://``, ``redis+cluster://``,
-    ``redis+sentinel://`` (see :mod:`lmcache.tiers.redis_tier`)."""
+    ``redis+sentinel://`` (see :mod:`lmcache.tiers.redis.tier`)."""
 
     remote_namespace: str = "lmcache"
     """Prefix of every key lmcache writes to the remote tier (letters, digits, ``_.-``)."""

@@ -7,9 +7,6 @@ They return one of these plain objects. The caller drives it layer by layer, in 
 calls ``finish()`` (or ``abort()``). Chunks of a layerwise store become visible to lookups at
 ``finish()``. A layerwise retrieve keeps its chunk leases until the copies are done. These
 objects reach the engine only through the protocols of :mod:`lmcache.engine.chunk_moves`.
-
-The batched store's steps (:class:`PlannedStore`, :class:`StagedStore`, :class:`StoreBatch`)
-live in :mod:`lmcache.engine.store_plan`; they are re-exported here for the old import path.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from lmcache.engine.chunk_moves import (
     release_all,
     unmark,
 )
-from lmcache.engine.store_plan import PlannedStore, StagedStore, StoreBatch
+from lmcache.engine.store_plan import StagedStore
 from lmcache.gpu_connector.checksums import LoadChecks
 from lmcache.gpu_connector.interface import (
     ChunkTransfer,
@@ -36,15 +33,7 @@ from lmcache.gpu_connector.interface import (
     TransferSpec,
 )
 
-__all__ = [
-    "LayerwiseRetrieve",
-    "LayerwiseStore",
-    "Pending",
-    "PlannedStore",
-    "StagedStore",
-    "StoreBatch",
-    "release_all",
-]
+__all__ = ["LayerwiseRetrieve", "LayerwiseStore"]
 
 
 class _LayerwiseOp:

@@ -8,7 +8,7 @@ field in the class source). The README holds the table between :data:`BEGIN_MARK
 
 Rewrite the README's table after changing a field::
 
-    python -m lmcache.config_table --write README.md
+    python -m lmcache.config.table --write README.md
 
 ``--check README.md`` exits 1 when the table is out of date; no argument prints the table.
 """
@@ -41,7 +41,7 @@ __all__ = [
     "replace_table",
 ]
 
-REGENERATE_COMMAND = "python -m lmcache.config_table --write README.md"
+REGENERATE_COMMAND = "python -m lmcache.config.table --write README.md"
 """The command that rewrites the README's table (run from the repository root)."""
 
 BEGIN_MARKER = f"<!-- config-table:begin (generated: {REGENERATE_COMMAND}) -->"
@@ -121,7 +121,7 @@ def replace_table(text: str, table: str | None = None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the table, or rewrite (``--write``) or check (``--check``) a Markdown file's table."""
     parser = argparse.ArgumentParser(
-        prog="python -m lmcache.config_table", description=(__doc__ or "").split("\n", 1)[0]
+        prog="python -m lmcache.config.table", description=(__doc__ or "").split("\n", 1)[0]
     )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--write", metavar="FILE", help="rewrite FILE's table in place")

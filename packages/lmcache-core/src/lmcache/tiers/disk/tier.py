@@ -73,7 +73,7 @@ from collections.abc import Container, Sequence
 
 from lmcache.errors import ConfigError, CorruptChunk
 from lmcache.tiers.chunk_format import HEADER_BYTES, ChunkHeader
-from lmcache.tiers.disk_files import ChunkFiles, Ident, local_path, make_folder, unlink
+from lmcache.tiers.disk.files import ChunkFiles, Ident, local_path, make_folder, unlink
 from lmcache.tiers.lower_tier import LowerTier, ReadRequest
 from lmcache.tiers.prefix_lru import PrefixLRU
 from lmcache.tiers.tier_guard import progress
