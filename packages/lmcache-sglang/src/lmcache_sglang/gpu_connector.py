@@ -24,6 +24,12 @@ tensor. Bytes move through the canonical chunk format of :mod:`lmcache.gpu_conne
 ``[num_layers, tokens, H * head_k + H * head_v]`` (all K heads, then all V heads), MLA
 ``[num_layers, tokens, latent]``. The connector is layerwise (:class:`SupportsLayerwise`).
 
+On CUDA the transfers go through the ``lmcache.gpu_ops`` kernels
+(:mod:`lmcache_sglang.kernel_transfer`): a store returns each chunk's checksum, computed on the
+device, and a load writes only the chunks whose bytes match the checksum stored with them
+(:attr:`SGLangKVConnector.verifies_checksums`). Elsewhere (CPU, XPU) the transfers are torch
+indexing and the cache engine checksums the chunks on the host.
+
 This module never imports SGLang.
 """
 
@@ -35,8 +41,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcache.devices import DeviceBackend, get_backend
+from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums
 from lmcache.gpu_connector.interface import ChunkTransfer, EngineInfo, KVLayoutError, TransferSpec
 from lmcache.gpu_connector.layer_range import LayerRangeConnector, engine_selector, moved_tokens
+from lmcache_sglang.kernel_transfer import KernelTransfer, paged_kv
 
 if TYPE_CHECKING:
     from lmcache.config import LMCacheConfig
@@ -109,6 +117,23 @@ class SGLangKVConnector(LayerRangeConnector):
                         f"differs from layer 0 ({_describe(first)} on {self.device}); every "
                         "layer must hold the same slots on one device"
                     )
+        self.kernels: KernelTransfer | None = None
+        """The kernel path with device checksums (CUDA), else ``None`` (torch indexing)."""
+        if self.device.type == "cuda" and self.backend.has_streams:
+            self.kernels = self.kernel_transfer()
+
+    def kernel_transfer(self) -> KernelTransfer | None:
+        """The kernel path over this connector's pools, or ``None`` when the kernels cannot
+        address them (e.g. layers with different strides). The constructor attaches it on CUDA;
+        on other devices it runs the ops' pure-torch reference (tests attach it there)."""
+        paged = paged_kv(self._layers, self.kv_layout)
+        return KernelTransfer(paged, self.backend) if paged is not None else None
+
+    @property
+    def verifies_checksums(self) -> bool:
+        """Whether stores return chunk checksums computed on the device and loads verify them
+        there before writing the pools (the kernel path)."""
+        return self.kernels is not None
 
     # -- geometry ---------------------------------------------------------------------------
 
@@ -210,6 +235,26 @@ class SGLangKVConnector(LayerRangeConnector):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows in the concatenated chunks, device slots)`` of the tokens moved."""
         idx, rows, slots = moved_tokens(chunks, transfer, skip)
+        self._check_slots(idx, slots)
+        return rows, slots.to(self.device)
+
+    def _staged_slots(
+        self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec, skip: int
+    ) -> tuple[list[int], torch.Tensor]:
+        """``(positions, host slots)`` of the kernel path: the chunks with a token from ``skip``
+        on, and the slot of each of their tokens, ``-1`` for those before ``skip`` (checked)."""
+        positions = [i for i, c in enumerate(chunks) if c.end > skip]
+        if not positions:
+            return [], torch.empty(0, dtype=torch.int64)
+        idx = torch.cat([torch.arange(chunks[i].start, chunks[i].end) for i in positions])
+        slots = transfer.slot_mapping.to("cpu", torch.int64)[idx]
+        held = idx < skip
+        self._check_slots(idx[~held], slots[~held])
+        slots[held] = -1
+        return positions, slots
+
+    def _check_slots(self, idx: torch.Tensor, slots: torch.Tensor) -> None:
+        """Refuse slots of moved tokens (request indices ``idx``) outside the pool."""
         if slots.numel():
             lo, hi = (int(x) for x in torch.aminmax(slots))
             if lo < 0:
@@ -223,11 +268,14 @@ class SGLangKVConnector(LayerRangeConnector):
                     f"SGLang connector: slot {hi} is beyond the pool's {self.num_slots} slots; "
                     "pass slots of this pool"
                 )
-        return rows, slots.to(self.device)
 
     # -- transfers: LayerRangeConnector runs from_gpu, to_gpu and the layerwise methods --------
 
-    def _from(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
+    def _from(
+        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> StoreChecksums | None:
+        if self.kernels is not None:
+            return self._from_kernels(self.kernels, layers, chunks, transfer)
         _, slots = self._slots(chunks, transfer, 0)
         index = self._index(slots)
         n = slots.numel()
@@ -238,11 +286,16 @@ class SGLangKVConnector(LayerRangeConnector):
             for c in chunks:
                 c.buffer[layers.start : layers.stop].copy_(host[:, start : start + c.num_tokens])
                 start += c.num_tokens
+        return None
 
-    def _to(self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> None:
+    def _to(
+        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> LoadChecks | None:
+        if self.kernels is not None:
+            return self._to_kernels(self.kernels, layers, chunks, transfer)
         rows, slots = self._slots(chunks, transfer, transfer.skip_tokens)
         if slots.numel() == 0:
-            return
+            return None
         index = self._index(slots)
         host = torch.cat([c.buffer[layers.start : layers.stop] for c in chunks], dim=1)[:, rows]
         with self._stream_ctx(transfer):
@@ -250,9 +303,57 @@ class SGLangKVConnector(LayerRangeConnector):
             for i, layer in enumerate(layers):
                 self._scatter(layer, index, staging[i])
         self._last_stream = transfer.stream
+        return None
+
+    def _from_kernels(
+        self,
+        kernels: KernelTransfer,
+        layers: range,
+        chunks: Sequence[ChunkTransfer],
+        transfer: TransferSpec,
+    ) -> StoreChecksums | None:
+        """:meth:`_from` through the gather kernel; all layers also sum each chunk. Returns
+        when the host buffers hold the bytes, or, ``transfer.deferred`` with a stream, once
+        the copies are enqueued on it."""
+        positions, slots = self._staged_slots(chunks, transfer, 0)
+        backend = self.backend
+        stream = transfer.stream
+        if stream is None:
+            stream = backend.current_stream(self.device)
+        deferred = transfer.deferred and transfer.stream is not None
+        try:
+            with self._stream_ctx(transfer):
+                index = kernels.index(chunks, positions, slots)
+                sums = kernels.store(layers, chunks, index, transfer.on_engine_read)
+        except BaseException:
+            if deferred and backend.has_streams:  # the caller releases the buffers at once
+                backend.stream_synchronize(stream)
+            raise
+        if not deferred and backend.has_streams:
+            backend.stream_synchronize(stream)
+        return sums
+
+    def _to_kernels(
+        self,
+        kernels: KernelTransfer,
+        layers: range,
+        chunks: Sequence[ChunkTransfer],
+        transfer: TransferSpec,
+    ) -> LoadChecks | None:
+        """:meth:`_to` through the scatter kernel, verifying the chunks that carry a
+        checksum (:meth:`KernelTransfer.load`); enqueued, :meth:`synchronize` waits."""
+        positions, slots = self._staged_slots(chunks, transfer, transfer.skip_tokens)
+        if not positions:
+            return None
+        with self._stream_ctx(transfer):
+            index = kernels.index(chunks, positions, slots)
+            checks = kernels.load(layers, chunks, index)
+        self._last_stream = transfer.stream
+        return checks
 
     def close(self) -> None:
         self._layers = []
+        self.kernels = None
 
 
 select_cpu = engine_selector("sglang", "cpu", SGLangKVConnector)

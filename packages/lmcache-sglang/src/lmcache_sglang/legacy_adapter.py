@@ -285,8 +285,10 @@ class LMCacheLayerwiseConnector:
             held = self._held.get(rid) if rid is not None else None
         try:
             tokens, mask, transfer = self._load_plan(md)
-            loaded = self.engine.retrieve(tokens, mask, transfer, held=held)
-            return int(loaded.sum())
+            loaded = self.engine.retrieve(tokens, mask, transfer, held=held)[int(md.offset) :]
+            # a chunk that failed its checksum at load is a hole: count only what precedes it
+            holes = (~loaded).nonzero()
+            return int(holes[0]) if holes.numel() else int(loaded.numel())
         except Exception as exc:
             logger.warning("lmcache retrieve failed (%r); a miss.", exc)
             return 0

@@ -14,9 +14,11 @@ The flow SGLang drives:
 - ``submit_lookup`` at prefetch: the stored prefix is found, checksum-verified and *leased*
   (:meth:`~lmcache.cache_engine.LMCacheEngine.lookup_and_lease`), so it cannot be evicted before
   the load; ``poll_lookup`` returns it. ``free_lookup_locks`` / ``finish_request`` release it.
+  On CUDA the chunks carry sums computed on the GPU, verified on the GPU at load instead.
 - ``submit_load`` at admission: the leased chunks are copied into the request's new slots
   (skipping the tokens SGLang's device cache holds) before it returns; a load that cannot land
-  in full raises, and SGLang falls back to prefill. ``ready_prefix_count`` /
+  in full (a chunk that fails its checksum is not written) raises, and SGLang falls back to
+  prefill. ``ready_prefix_count`` /
   ``complete_load`` then report it.
 - ``get_store_start`` / ``submit_store`` at checkpoints: the chunks after what this request
   stored already are copied out on a background thread (asynchronous; SGLang keeps the tree

@@ -136,6 +136,41 @@ def test_mp_lookup_then_retrieve(config_file: Path) -> None:
     conn.end_session("r1")
 
 
+def _with_kernels(conn: Any) -> Any:
+    """``conn`` with its connector on the kernel path (as on CUDA; here the ops' CPU reference),
+    so chunks carry device sums and loads verify them."""
+    gpu = conn.engine.gpu_connector
+    gpu.kernels = gpu.kernel_transfer()
+    conn.engine.set_gpu_connector(gpu)
+    assert gpu.verifies_checksums
+    return conn
+
+
+def test_mp_retrieve_counts_only_the_prefix_before_a_bad_chunk(config_file: Path) -> None:
+    """A chunk that fails its checksum at load is a hole in what landed: ``retrieve_kv`` reports
+    the tokens before it, never the chunks after it (LMCRadixCache takes a prefix)."""
+    src = _pool(1)
+    src_slots = torch.randperm(1000)[:300] + 1
+    store = _with_kernels(LMCacheLayerwiseConnector(config_file=str(config_file), **_kwargs(src)))
+    assert store.store_kv(StoreMetadata(None, TOKENS, src_slots, 0, "store")) == 4 * CHUNK
+    dst = _pool(2)
+    before = [t.clone() for t in (*dst.k_buffer, *dst.v_buffer)]
+    conn = _with_kernels(
+        LMCacheMPConnector(page_size=1, host="127.0.0.1", port=5556, **_kwargs(dst))
+    )
+    assert conn.lookup_kv(TOKENS, "r1") == 4 * CHUNK
+    conn._held["r1"].tensors()[2].reshape(-1).view(torch.uint8)[9] ^= 0x10  # chunk 2, after lookup
+    new, mapping = _load_slots(CHUNK, 3 * CHUNK)  # SGLang holds chunk 0
+    n = conn.retrieve_kv(LoadMetadata(TOKENS, mapping, CHUNK, 0, "r1"))
+    assert n == CHUNK  # chunk 1; chunk 3 landed too, but after the hole
+    assert torch.equal(_kv(dst, new[:CHUNK]), _kv(src, src_slots[CHUNK : 2 * CHUNK]))
+    bad = new[CHUNK : 2 * CHUNK]
+    for t, b in zip((*dst.k_buffer, *dst.v_buffer), before, strict=True):
+        assert torch.equal(t[bad], b[bad])  # the bad chunk never reached the pool
+    assert conn.engine.metrics.value("checksum_failures") == 1
+    conn.end_session("r1")
+
+
 def test_ip_layerwise_load_through_the_per_layer_hook(config_file: Path) -> None:
     src, src_slots = _store(config_file)
     dst = _pool(3)

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from lmcache.gpu_ops.mix64sum import unsigned64
+from lmcache.gpu_ops.mix64sum import signed64, unsigned64
 
-__all__ = ["LoadChecks", "StoreChecksums"]
+__all__ = ["LoadChecks", "StoreChecksums", "expected_sums", "match_sums"]
 
 
 class StoreChecksums:
@@ -84,3 +84,19 @@ class LoadChecks:
         if self._sums is None:
             raise ValueError("LoadChecks.sums(): this load was verified; read ok() instead.")
         return [unsigned64(v) for v in self._sums.tolist()]
+
+
+def expected_sums(checksums: Sequence[int | None]) -> list[int]:
+    """The stored sums of chunks packed for :func:`match_sums`: ``[2 * len(checksums)]`` int64
+    values, each chunk's sum as int64 bits (0 without one), then a has-a-sum flag each."""
+    return [*(signed64(c) if c is not None else 0 for c in checksums)] + [
+        int(c is not None) for c in checksums
+    ]
+
+
+def match_sums(sums: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Per chunk, whether ``sums`` (``[k]`` int64, on the device) equals the stored sum, or the
+    chunk has none; ``expected`` is :func:`expected_sums` of the ``k`` chunks, on the same device.
+    """
+    k = sums.numel()
+    return (sums == expected[:k]) | (expected[k:] == 0)
