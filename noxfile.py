@@ -444,12 +444,11 @@ def gpu(session: nox.Session) -> None:
                 f"; its real-engine tests are skipped (tools/gpu_engines/README.md builds one)"
             )
     unit = ["packages/lmcache-core/tests", "packages/lmcache-vllm/tests/unit"]
-    sglang_unit = "packages/lmcache-sglang/tests/unit"
     vllm_paths = ["packages/lmcache-vllm/tests/gpu"] if "vllm" in sites else []
-    # SGLang's unit tests run beside its engine when its bundle is here, else with the others.
-    first = unit + ([] if "sglang" in sites else [sglang_unit]) + vllm_paths
-    _pytest_gpu(session, first, sites.get("vllm"), VLLM_GPU_ENV if vllm_paths else {})
+    _pytest_gpu(session, unit + vllm_paths, sites.get("vllm"), VLLM_GPU_ENV if vllm_paths else {})
+    # A run of its own: lmcache-vllm's and lmcache-sglang's test folders are both the package
+    # ``tests``, so one pytest run would import one's modules for the other's.
+    sglang = ["packages/lmcache-sglang/tests/unit"]
     if "sglang" in sites:
-        _pytest_gpu(
-            session, [sglang_unit, "packages/lmcache-sglang/tests/gpu"], sites["sglang"], {}
-        )
+        sglang.append("packages/lmcache-sglang/tests/gpu")
+    _pytest_gpu(session, sglang, sites.get("sglang"), {})

@@ -142,8 +142,9 @@ class LMCacheConfig:
     checksum: bool | None = None
     """Store a checksum with every chunk in the CPU tier and verify it before use (a mismatch is
     a miss, or a load error for the chunks it hits). ``None`` (the default) means on for CPU
-    engines and for GPU connectors that compute checksums on the device (vLLM's CUDA
-    connector: the store sums each chunk in staging, the load verifies it before scattering).
+    engines and for GPU connectors that compute checksums on the device (vLLM's and SGLang's
+    CUDA connectors: the store sums each chunk in staging, the load verifies it before
+    scattering).
     It means off for other GPU connectors, where hashing on the host (~9 GB/s a thread) would
     cost more than the PCIe copy it guards. :meth:`checksum_for` resolves it. The disk and
     remote tiers always checksum their chunks, whatever this says."""
