@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcache import gpu_ops
+from lmcache.devices import UploadRing
 from lmcache.gpu_connector.checksums import (
     LoadChecks,
     StoreChecksums,
@@ -134,6 +135,7 @@ class KernelTransfer:
         self.kv_width = paged.kv_width
         self.dtype = paged.dtype
         self.element_size = paged.k[0].element_size()
+        self.uploads = UploadRing(backend, paged.device)
         # Load (or JIT-build) the extension now, at engine start, not on the first request.
         gpu_ops.uses_cext(self.device)
 
@@ -248,11 +250,10 @@ class KernelTransfer:
         return out
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
-        """``host`` on the device, through page-locked memory, without a host wait (torch's
-        pinned allocator keeps the host copy until the upload completes)."""
+        """``host`` on the device, through a reused page-locked buffer, without a host wait."""
         if self.device.type == "cpu":
             return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return self.uploads.upload(host)
 
     def _download(self, dev: torch.Tensor) -> torch.Tensor:
         """A host copy of small ``dev``, enqueued on the current stream (read it after the

@@ -102,6 +102,38 @@ def test_store_sums_and_verified_load(kind, device, skip, store, monkeypatch) ->
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("skip", [0, 10])
+def test_verified_load_of_chunks_with_a_gap(device: str, skip: int) -> None:
+    """Chunks that are not consecutive in the request (chunk 1 left out): each lands on its
+    own tokens' slots, and only the corrupted one is refused."""
+    md, src = _checked_conn("lbnhc", device, 19)
+    n = RANGES[-1][1]
+    chunks = chunk_buffers(src, RANGES, "scattered")
+    sums = src.from_gpu(chunks, TransferSpec(_slots(n, 20, "cpu")))
+    src.synchronize()
+    assert sums is not None
+    chunks = [
+        dataclasses.replace(c, checksum=s) for c, s in zip(chunks, sums.values(), strict=True)
+    ]
+    chunks[2].buffer.reshape(-1).view(torch.uint8)[5] ^= 0x04
+    picked = [chunks[0], chunks[2], chunks[3]]
+    _, dst = _checked_conn("lbnhc", device, 21)
+    _, ref = _checked_conn("lbnhc", device, 21)
+    ref.transfer = TokenTransfer(ref.cache, ref.backend, ref.device)
+    spec = TransferSpec(_slots(n, 22, "cpu"), skip_tokens=skip)
+    checks = dst.to_gpu(picked, spec)
+    dst.synchronize()
+    assert checks is not None and checks.verified
+    staged = [i for i, c in enumerate(picked) if c.end > skip]
+    assert checks.chunks == staged
+    assert checks.ok() == [i != 1 for i in staged]
+    ref.to_gpu([picked[0], picked[2]], spec)
+    ref.synchronize()
+    for layer in range(md.num_layers):
+        assert torch.equal(_bits(dst.cache.caches[layer]), _bits(ref.cache.caches[layer]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["lbnhc", "mla"])
 def test_layerwise_load_sums_add_up(kind: str, device: str) -> None:
     md, src = _checked_conn(kind, device, 5)

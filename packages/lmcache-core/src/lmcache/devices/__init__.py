@@ -14,6 +14,9 @@ A device package registers its own through the entry-point group ``lmcache.devic
     [project.entry-points."lmcache.devices"]
     xpu = "lmcache_xpu.device:register"      # register() calls register_backend(XpuBackend())
 
+:class:`~lmcache.devices.upload_ring.UploadRing` uploads small index tensors through
+page-locked buffers allocated once, not per call.
+
 Tests use :class:`lmcache.testing.recording_backend.RecordingBackend`, which runs on CPU tensors
 and records every call.
 """
@@ -28,10 +31,12 @@ from lmcache.devices.registry import (
     register_backend,
     registered_backends,
 )
+from lmcache.devices.upload_ring import UploadRing
 
 __all__ = [
     "DEVICE_ENTRY_POINT_GROUP",
     "DeviceBackend",
+    "UploadRing",
     "get_backend",
     "host_backend",
     "register_backend",

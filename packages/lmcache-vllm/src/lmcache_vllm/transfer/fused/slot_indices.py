@@ -4,19 +4,19 @@ scatters.
 
 :class:`SlotIndices` turns a call's slot mapping into the device index tensor of its staging
 tokens (slots, or ``(block, offset)`` pairs), checking every slot: a host slot mapping on the host
-before anything is queued, its indices uploaded through a ring of persistent pinned buffers (no
-device sync); a device slot mapping on the device, answered through one pinned pair that the
+before anything is queued, its indices uploaded through a ring of persistent pinned buffers
+(:class:`~lmcache.devices.UploadRing`: no allocation, no device sync); a device slot mapping on the device, answered through one pinned pair that the
 call reads back. Every pinned buffer, event and copy goes through the device backend. This module
 never imports vLLM.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmcache.devices import UploadRing
 from lmcache.gpu_connector.interface import TransferSpec
 from lmcache_vllm.transfer.fused.plan import StagingPlan
 from lmcache_vllm.transfer.paged_cache import PagedKVCache
@@ -37,9 +37,6 @@ class SlotIndices:
             ``(block, offset)`` (``[2, total]``).
     """
 
-    pinned_ring: int = 8
-    """Pinned index buffers kept for reuse (CUDA)."""
-
     def __init__(self, cache: PagedKVCache, backend: DeviceBackend, by_slot: bool) -> None:
         self.cache = cache
         self.backend = backend
@@ -47,12 +44,9 @@ class SlotIndices:
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks
         self.by_slot = by_slot
-        # Persistent pinned host buffers (CUDA): index upload and the slot-range answer.
-        self._pinned_idx: list[list[Any]] = []  # ring of [pinned int64 buffer, upload event]
+        # Persistent pinned host buffers (CUDA): index uploads and the slot-range answer.
+        self.uploads = UploadRing(backend, cache.device)
         self._pinned_lo_hi: torch.Tensor | None = None
-        # A store may be planned (prepare_store) on one thread while a load runs on another:
-        # taking a ring slot, filling it and recording its upload is one step under this lock.
-        self._ring_lock = threading.Lock()
 
     def build(self, plan: StagingPlan, transfer: TransferSpec) -> tuple[torch.Tensor, Any]:
         """``(indices, check)``: ``[1, total]`` slots or ``[2, total]`` (block, offset) of the
@@ -85,17 +79,11 @@ class SlotIndices:
         if slots.device.type == "cpu" or self.device.type == "cpu":
             slots = slots.to("cpu", torch.int64)
             self.cache.check_slots(slots if kept_pos is None else slots[kept_pos], token_ids)
+            idx = torch.empty((rows, plan.total), dtype=torch.int64)
+            self._fill_indices(idx, slots)
             if not self.backend.has_streams:
-                idx = torch.empty((rows, plan.total), dtype=torch.int64)
-                self._fill_indices(idx, slots)
                 return idx, lambda: None
-            with self._ring_lock:
-                slot = self._pinned_slot(rows * plan.total)
-                idx = slot[0][: rows * plan.total].view(rows, plan.total)
-                self._fill_indices(idx, slots)
-                on_dev = idx.to(self.device, non_blocking=True)
-                slot[1] = self.backend.event_after(self.backend.current_stream(self.device))
-            return on_dev, lambda: None
+            return self.uploads.upload(idx), lambda: None
         slots = slots.to(self.device, torch.int64)
         on_dev = kept_pos.to(self.device) if isinstance(kept_pos, torch.Tensor) else kept_pos
         kept = slots if on_dev is None else slots[on_dev]
@@ -128,41 +116,11 @@ class SlotIndices:
             torch.div(slots, self.block_size, rounding_mode="floor", out=idx[0])
             torch.remainder(slots, self.block_size, out=idx[1])
 
-    def _pinned_slot(self, numel: int) -> list[Any]:
-        """A ``[pinned int64 buffer of at least numel, None]`` ring slot whose last upload has
-        finished; the caller records its new upload's event in slot ``[1]``.
-
-        Allocating pinned memory costs ~0.2 ms a call, so buffers are reused. A buffer whose
-        upload is still queued (a deferred store waits for the step's compute before its index
-        upload runs) is skipped rather than waited for; only with the whole ring busy does this
-        wait, for the oldest.
-        """
-        ring = self._pinned_idx
-        for slot in ring:
-            if slot[1] is None or self.backend.event_query(slot[1]):
-                if slot[0].numel() < numel:
-                    size = max(numel, 2 * slot[0].numel())
-                    slot[0] = self._pinned_int64(size)
-                slot[1] = None
-                ring.remove(slot)
-                ring.append(slot)  # most recently used last: the first busy one is the oldest
-                return slot
-        if len(ring) >= self.pinned_ring:
-            slot = ring.pop(0)
-            self.backend.event_synchronize(slot[1])
-            if slot[0].numel() < numel:
-                slot[0] = self._pinned_int64(numel)
-        else:
-            slot = [self._pinned_int64(max(numel, 1 << 12)), None]
-        slot[1] = None
-        ring.append(slot)
-        return slot
-
     def _pinned_int64(self, numel: int) -> torch.Tensor:
         """``[numel]`` int64 of page-locked host memory (the backend's, exact size)."""
         return self.backend.pinned_empty(numel * 8).view(torch.int64)
 
     def close(self) -> None:
         """Drop the pinned buffers."""
-        self._pinned_idx = []
+        self.uploads.close()
         self._pinned_lo_hi = None

@@ -116,7 +116,7 @@ class FusedStore(FusedViews):
                 staging = torch.empty(
                     plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
                 )
-                copy = self._copy_stream(plan)
+                copy = self._copy_stream(plan, to_host=True)
                 if copy is None:
                     self._gather(plan, staging, layers, idx, -1)
                     if transfer.on_engine_read is not None:

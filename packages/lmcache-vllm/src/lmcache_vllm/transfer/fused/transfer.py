@@ -281,7 +281,7 @@ class FusedTransfer(FusedStore):
                 self._copy_runs(plan, staging, to_host=False)
                 return self._verify(index, staging, layers, staging_full=False)
             idx, check = self._fused_indices(plan, transfer)
-            copy = self._copy_stream(plan)
+            copy = self._copy_stream(plan, to_host=False)
             if copy is None:
                 self._copy_runs(plan, staging, to_host=False)
                 check()

@@ -99,7 +99,7 @@ class FusedViews:
         self._fused_by_slot = False  # _fused is [L, slots, *row], else [L, B, N, *row]
         self._layer_ids = torch.empty(0, dtype=torch.int64)
         self._all_layers = self._layer_ids
-        self._copy_stream_obj: Any = None
+        self._copy_streams: dict[bool, Any] = {}  # side stream per direction (to_host)
 
     def _setup_fused(self) -> None:
         """Build the indexed views of the fused path, ``[..., slot, *row]`` (or ``[..., block,
@@ -336,13 +336,19 @@ class FusedViews:
         ``torch.OutOfMemoryError`` when the device has no room)."""
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def _copy_stream(self, plan: StagingPlan) -> Any:
-        """The side stream for the host copies when ``plan`` has several pieces, else ``None``."""
+    def _copy_stream(self, plan: StagingPlan, to_host: bool) -> Any:
+        """The side stream for the host copies when ``plan`` has several pieces, else ``None``.
+
+        Stores and loads each have their own: on one stream, a store's copies to the host
+        would queue behind a concurrent load's copies to the device, and PCIe runs both ways
+        at once.
+        """
         if plan.pieces <= 1:
             return None
-        if self._copy_stream_obj is None:
-            self._copy_stream_obj = self.backend.new_stream(self.device)
-        return self._copy_stream_obj
+        stream = self._copy_streams.get(to_host)
+        if stream is None:
+            stream = self._copy_streams.setdefault(to_host, self.backend.new_stream(self.device))
+        return stream
 
     def close(self) -> None:
         """Drop the views and the pinned index buffers."""
@@ -350,3 +356,5 @@ class FusedViews:
         self._fused = None
         self._fused_layers = None
         self._indices.close()
+        if self._sums is not None:
+            self._sums.uploads.close()
