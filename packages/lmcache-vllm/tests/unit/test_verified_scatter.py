@@ -133,6 +133,80 @@ def test_verified_load_of_chunks_with_a_gap(device: str, skip: int) -> None:
         assert torch.equal(_bits(dst.cache.caches[layer]), _bits(ref.cache.caches[layer]))
 
 
+def _on_stand_in_streams(conn):
+    """Give ``conn``'s fused path a recording stand-in of a CUDA backend (streams and events;
+    copies run at once on the CPU tensors) and the checksum component such a device gets."""
+    from lmcache.devices import UploadRing
+    from lmcache.testing.recording_backend import RecordingBackend
+
+    rec = RecordingBackend("cuda")
+    fused = conn.transfer
+    conn.backend = fused.backend = fused._indices.backend = rec
+    fused._indices.uploads = UploadRing(rec, conn.device)
+    fused._sums = ChunkChecksums(conn.cache, rec)
+    return rec
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["lbnhc", "mla"])
+@pytest.mark.parametrize("skip", [0, 9])
+def test_kernel_pieces_move_what_one_piece_moves(
+    device: str, kind: str, skip: int, monkeypatch
+) -> None:
+    """A kernel store and a verified load cut into pieces of whole chunks (one piece's DMAs
+    overlapping the next piece's kernels) store the same bytes and sums, and load the same
+    bytes and verdicts, as in one piece. On the CPU through a stand-in backend with streams."""
+    monkeypatch.setattr(FusedTransfer, "_kernel_store", lambda self, transfer: True)
+    monkeypatch.setattr(FusedTransfer, "min_piece_bytes", 1)
+    calls: list[str] = []
+    for name in ("_gather_pieces",):
+        real = getattr(FusedTransfer, name)
+        monkeypatch.setattr(
+            FusedTransfer, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k)
+        )
+    real_pieces = ChunkChecksums.verified_scatter_pieces
+    monkeypatch.setattr(
+        ChunkChecksums,
+        "verified_scatter_pieces",
+        lambda *a, **k: calls.append("verified_scatter_pieces") or real_pieces(*a, **k),
+    )
+    n = RANGES[-1][1]
+    got = []
+    for pieces in (1, 4):
+        monkeypatch.setattr(FusedTransfer, "kernel_pieces", pieces)
+        _, src = _checked_conn(kind, device, 31)
+        if device == "cpu":
+            _on_stand_in_streams(src)
+        chunks = chunk_buffers(src, RANGES, "scattered")
+        sums = src.from_gpu(chunks, TransferSpec(_slots(n, 32, "cpu")))
+        src.synchronize()
+        assert sums is not None
+        chunks = [
+            dataclasses.replace(c, checksum=s) for c, s in zip(chunks, sums.values(), strict=True)
+        ]
+        chunks[2].buffer.reshape(-1).view(torch.uint8)[9] ^= 0x10
+        _, dst = _checked_conn(kind, device, 33)
+        if device == "cpu":
+            _on_stand_in_streams(dst)
+        checks = dst.to_gpu(chunks, TransferSpec(_slots(n, 34, "cpu"), skip_tokens=skip))
+        dst.synchronize()
+        assert checks is not None
+        got.append(
+            (
+                sums.values(),
+                [_bits(c.buffer) for c in chunks],
+                checks.chunks,
+                checks.ok(),
+                [_bits(t) for t in dst.cache.caches],
+            )
+        )
+        assert calls == ([] if pieces == 1 else ["_gather_pieces", "verified_scatter_pieces"])
+        calls.clear()
+    (s1, b1, c1, ok1, p1), (s4, b4, c4, ok4, p4) = got
+    assert s1 == s4 and c1 == c4 and ok1 == ok4 == [i != 2 for i in c1]
+    assert all(torch.equal(x, y) for x, y in zip(b1 + p1, b4 + p4, strict=True))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["lbnhc", "mla"])
 def test_layerwise_load_sums_add_up(kind: str, device: str) -> None:

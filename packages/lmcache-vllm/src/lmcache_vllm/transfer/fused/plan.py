@@ -26,6 +26,7 @@ __all__ = [
     "StagingOp",
     "StagingPlan",
     "add_run",
+    "piece_spans",
     "plan_chunks",
     "widen_rows",
 ]
@@ -312,6 +313,25 @@ def plan_chunks(
     plan.total = pos
     plan.pieces = piece + 1
     return plan
+
+
+def piece_spans(plan: StagingPlan) -> list[tuple[int, int, int, int]]:
+    """Per piece of a plan of whole chunks: ``(first, end)`` staged chunks and ``(first, end)``
+    staging tokens.
+
+    Raises:
+        ValueError: a piece holds only some layers of a chunk.
+    """
+    spans: list[list[int]] = []
+    chunk = 0
+    for op in plan.ops:
+        if op.l0 != 0 or op.l1 * plan.layer_bytes != plan.row_bytes:
+            raise ValueError("piece_spans: expected pieces of whole chunks, found a cut chunk.")
+        if not spans or spans[-1][4] != op.piece:
+            spans.append([chunk, chunk, op.pos, op.pos, op.piece])
+        chunk += op.g
+        spans[-1][1], spans[-1][3] = chunk, op.pos + op.g * op.n
+    return [(a, b, ta, tb) for a, b, ta, tb, _ in spans]
 
 
 def add_run(plan: StagingPlan, lo: int, nbytes: int, host: torch.Tensor, piece: int) -> None:

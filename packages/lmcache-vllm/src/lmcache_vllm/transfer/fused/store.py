@@ -11,13 +11,15 @@ This module never imports vLLM.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from lmcache import gpu_ops
 from lmcache.gpu_connector.checksums import StoreChecksums
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
-from lmcache_vllm.transfer.fused.plan import PreparedStore
+from lmcache_vllm.transfer.fused.plan import PreparedStore, StagingPlan, piece_spans
+from lmcache_vllm.transfer.fused.verified_scatter import LoadIndex
 from lmcache_vllm.transfer.fused.views import FusedViews
 
 __all__ = ["FusedStore"]
@@ -52,7 +54,7 @@ class FusedStore(FusedViews):
             return None
         layers = range(self.num_layers)
         if self._sums is not None and self._kernel_store(transfer):
-            plan = self._plan(layers, chunks, 0, 0)
+            plan = self._kernel_store_plan(layers, chunks, transfer)
             with self._stream_ctx(transfer):
                 index = self._sums.load_index(plan, chunks, transfer)
                 uploaded = self.backend.event_after(self.backend.current_stream(self.device))
@@ -147,6 +149,40 @@ class FusedStore(FusedViews):
             raise
         return sums
 
+    def _kernel_store_plan(
+        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
+    ) -> StagingPlan:
+        """A kernel store's plan: one piece when deferred (see :meth:`_store_pieces`), else
+        pieces of whole chunks (:meth:`_kernel_plan`)."""
+        if self._store_pieces(transfer) == 0:
+            return self._plan(layers, chunks, 0, 0)
+        return self._kernel_plan(layers, chunks, 0)
+
+    def _gather_pieces(
+        self,
+        plan: StagingPlan,
+        index: LoadIndex,
+        staging: torch.Tensor,
+        copy: Any,
+        transfer: TransferSpec,
+    ) -> StoreChecksums:
+        """Gather piece ``i + 1`` (summing its chunks) while piece ``i`` goes to the host on
+        ``copy``; the current stream waits for the copies at the end."""
+        assert self._sums is not None
+        backend = self.backend
+        main = backend.current_stream(self.device)
+        sums = self._sums.new_sums(len(index.positions))
+        for piece, span in enumerate(piece_spans(plan)):
+            self._sums.gather_span(index, staging, sums, span)
+            backend.wait_stream(copy, main)
+            with backend.use_stream(copy):
+                self._copy_runs(plan, staging, to_host=True, piece=piece)
+        if transfer.on_engine_read is not None:
+            transfer.on_engine_read()  # every gather is enqueued
+        checksums = self._sums.sums_to_host(sums)
+        backend.wait_stream(main, copy)
+        return checksums
+
     kernel_gather: bool = True
     """Store all layers through the ``gather_kv`` kernel when the extension is loaded: one
     launch for every chunk and layer, each chunk's checksum computed in the same pass."""
@@ -178,7 +214,7 @@ class FusedStore(FusedViews):
             index = prep.kernel_index
         else:
             prep = None
-            plan = self._plan(layers, chunks, 0, 0)
+            plan = self._kernel_store_plan(layers, chunks, transfer)
         try:
             with self._stream_ctx(transfer):
                 if index is None:
@@ -188,10 +224,14 @@ class FusedStore(FusedViews):
                 staging = torch.empty(
                     plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
                 )
-                sums = self._sums.gather_with_sums(index, staging)
-                if transfer.on_engine_read is not None:
-                    transfer.on_engine_read()
-                self._copy_runs(plan, staging, to_host=True)
+                copy = self._copy_stream(plan, to_host=True)
+                if copy is None:
+                    sums = self._sums.gather_with_sums(index, staging)
+                    if transfer.on_engine_read is not None:
+                        transfer.on_engine_read()
+                    self._copy_runs(plan, staging, to_host=True)
+                else:
+                    sums = self._gather_pieces(plan, index, staging, copy, transfer)
             if not deferred:
                 self._sync(transfer)
         except BaseException:

@@ -48,7 +48,7 @@ import torch
 
 from lmcache.gpu_connector.checksums import LoadChecks
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
-from lmcache_vllm.transfer.fused.plan import Prefetched, StagingPlan, add_run
+from lmcache_vllm.transfer.fused.plan import Prefetched, StagingPlan, add_run, piece_spans
 from lmcache_vllm.transfer.fused.store import FusedStore
 from lmcache_vllm.transfer.fused.verified_scatter import LoadIndex
 from lmcache_vllm.transfer.paged_cache import PagedKVCache
@@ -252,8 +252,11 @@ class FusedTransfer(FusedStore):
             if from_staged is not False:
                 return from_staged
         verify = self._verifying(chunks)
-        # verified: one piece, since every byte of a chunk must be in before its check
-        plan = self._plan(layers, chunks, transfer.skip_tokens, 0 if verify else -1)
+        whole = len(layers) == self.num_layers
+        if verify and whole:  # pieces of whole chunks: each is checked once all of it is in
+            plan = self._kernel_plan(layers, chunks, transfer.skip_tokens)
+        else:  # a layer range is summed, not checked, in one piece
+            plan = self._plan(layers, chunks, transfer.skip_tokens, 0 if verify else -1)
         if plan.total == 0:
             return False
         with self._stream_ctx(transfer):
@@ -278,8 +281,18 @@ class FusedTransfer(FusedStore):
             if verify:
                 assert self._sums is not None
                 index = self._sums.load_index(plan, chunks, transfer)
-                self._copy_runs(plan, staging, to_host=False)
-                return self._verify(index, staging, layers, staging_full=False)
+                side = self._copy_stream(plan, to_host=False)
+                if side is None:
+                    self._copy_runs(plan, staging, to_host=False)
+                    return self._verify(index, staging, layers, staging_full=False)
+                # check and scatter piece i while piece i + 1 comes from the host
+                self.backend.wait_stream(side, self.backend.current_stream(self.device))
+                ready = []
+                with self.backend.use_stream(side):
+                    for piece in range(plan.pieces):
+                        self._copy_runs(plan, staging, to_host=False, piece=piece)
+                        ready.append(self.backend.event_after(side))
+                return self._sums.verified_scatter_pieces(index, staging, piece_spans(plan), ready)
             idx, check = self._fused_indices(plan, transfer)
             copy = self._copy_stream(plan, to_host=False)
             if copy is None:

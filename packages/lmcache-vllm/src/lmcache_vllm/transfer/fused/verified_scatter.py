@@ -189,6 +189,58 @@ class ChunkChecksums:
         gpu_ops.scatter_kv(self.paged, slots, index.offsets, staging)
         return LoadChecks(index.positions, ok=self._download(ok))
 
+    def gather_span(
+        self,
+        index: LoadIndex,
+        staging: torch.Tensor,
+        sums: torch.Tensor,
+        span: tuple[int, int, int, int],
+    ) -> None:
+        """:meth:`gather_with_sums` of one piece: staged chunks ``[a, b)``, staging tokens
+        ``[ta, tb)`` (``span``), their sums into ``sums[a:b]``; on the current stream."""
+        a, b, ta, tb = span
+        rb = index.row_bytes
+        gpu_ops.gather_kv(
+            self.paged,
+            index.slots[ta:tb],
+            index.offsets[a : b + 1] - ta,
+            staging[ta * rb : tb * rb],
+            checksums=sums[a:b],
+        )
+
+    def new_sums(self, count: int) -> torch.Tensor:
+        """A device tensor for the sums of ``count`` chunks (:meth:`gather_span` fills it)."""
+        return torch.empty(count, dtype=torch.int64, device=self.device)
+
+    def sums_to_host(self, sums: torch.Tensor) -> StoreChecksums:
+        """``sums`` as a store's checksums, their copy to the host enqueued on the current
+        stream (readable with the store's bytes)."""
+        return StoreChecksums(self._download(sums))
+
+    def verified_scatter_pieces(
+        self,
+        index: LoadIndex,
+        staging: torch.Tensor,
+        spans: Sequence[tuple[int, int, int, int]],
+        ready: Sequence[Any],
+    ) -> LoadChecks:
+        """:meth:`verified_scatter` piece by piece: piece ``i`` (``spans[i]``, as in
+        :meth:`gather_span`) is checked and scattered once event ``ready[i]`` (its copy into
+        staging) has completed; on the current stream."""
+        k, rb = len(index.positions), index.row_bytes
+        ok = torch.empty(k, dtype=torch.bool, device=self.device)
+        stream = self.backend.current_stream(self.device)
+        for (a, b, ta, tb), event in zip(spans, ready, strict=True):
+            self.backend.wait_event(stream, event)
+            offsets = index.offsets[a : b + 1] - ta
+            part = staging[ta * rb : tb * rb]
+            sums = gpu_ops.checksum_chunks(part, offsets, unit_bytes=rb)
+            good = (sums == index.expected[a:b]) | (index.expected[k + a : k + b] == 0)
+            ok[a:b] = good
+            slots = torch.where(good[index.chunk_of[ta:tb] - a], index.slots[ta:tb], -1)
+            gpu_ops.scatter_kv(self.paged, slots, offsets, part)
+        return LoadChecks(index.positions, ok=self._download(ok))
+
     def summed_scatter(
         self, index: LoadIndex, staging: torch.Tensor, layers: range, *, staging_full: bool
     ) -> LoadChecks:

@@ -58,6 +58,11 @@ class FusedViews:
     """Smallest piece: each piece costs a dozen host-side launches, which must stay well under
     its copy time (32 MiB take ~0.6 ms at PCIe 5 speed), so small calls are one piece."""
 
+    kernel_pieces: int = 8
+    """On CUDA, a kernel store or verified load is cut into up to this many pieces of whole
+    chunks, each at least ``min_piece_bytes``. Piece ``i``'s DMAs (on a side stream) overlap
+    piece ``i + 1``'s gather, or piece ``i - 1``'s check and scatter. ``1``: one piece."""
+
     def __init__(self, cache: PagedKVCache, backend: DeviceBackend) -> None:
         self.cache = cache
         self.kv_format = cache.kv_format
@@ -179,6 +184,18 @@ class FusedViews:
             layer_bytes=self.kv_width * self._caches[0].element_size(),
             default_piece_bytes=self._piece_bytes,
         )
+
+    def _kernel_plan(
+        self, layers: range, chunks: Sequence[ChunkTransfer], skip: int
+    ) -> StagingPlan:
+        """A plan for the kernels, whose pieces hold whole chunks (see :attr:`kernel_pieces`)."""
+        plan = self._plan(layers, chunks, skip, 0)
+        total = plan.total * plan.row_bytes
+        if not self.backend.has_streams or self.kernel_pieces <= 1 or not plan.ops:
+            return plan
+        biggest = max(op.n for op in plan.ops) * plan.row_bytes  # never cut a chunk by layers
+        piece = max(biggest, self.min_piece_bytes, -(-total // self.kernel_pieces))
+        return plan if piece >= total else self._plan(layers, chunks, skip, piece)
 
     def _fused_indices(self, plan: StagingPlan, transfer: TransferSpec) -> tuple[torch.Tensor, Any]:
         """:meth:`SlotIndices.build <lmcache_vllm.transfer.fused.slot_indices.SlotIndices.build>`: the
