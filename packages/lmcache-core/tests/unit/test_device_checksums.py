@@ -96,11 +96,18 @@ class SummingConnector(GPUConnectorInterface, SupportsLayerwise):
     def to_gpu(self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec) -> LoadChecks | None:
         return self._load(range(LAYERS), chunks, transfer)
 
+    layer_sums = False
+    """Whether a layerwise store returns the sums of each layer's bytes."""
+
     def from_gpu_layer(
         self, layer: int, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
+    ) -> StoreChecksums | None:
         for c in chunks:
             c.buffer[layer] = self.kv[layer, transfer.slot_mapping[c.start : c.end]]
+        if not self.layer_sums:
+            return None
+        sums = [signed64(_layers_sum(c.buffer, range(layer, layer + 1))) for c in chunks]
+        return StoreChecksums(torch.tensor(sums, dtype=torch.int64))
 
     def to_gpu_layer(
         self, layer: int, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
@@ -207,3 +214,33 @@ def test_a_hit_verified_at_lookup_is_cut_before_its_first_bad_chunk() -> None:
     assert len(_entries(engine)) == 3  # the bad chunk left the tier; the one after it stays
     hit.release()
     assert engine.lookup(tokens) == 2 * CS
+
+
+@pytest.mark.parametrize("layer_sums", [True, False])
+def test_a_layerwise_store_adds_up_the_layers_sums(layer_sums: bool) -> None:
+    """A layerwise store whose every layer came with its sums keeps their total as each
+    chunk's checksum (equal to the sum of its bytes) and hashes nothing on the host; without
+    them the engine hashes the chunks itself. Either way a flipped bit is caught at load."""
+    src = SummingConnector(_kv(4))
+    src.layer_sums = layer_sums
+    engine = _engine(src)
+    tokens = list(range(2 * CS))
+    slots = torch.arange(2 * CS) * 3
+    store = engine.store_layerwise(tokens, None, TransferSpec(slots))
+    for layer in range(LAYERS):
+        store.store_layer(layer)
+    assert store.finish() == 2 * CS
+    entries = _entries(engine)
+    assert len(entries) == 2
+    for e in entries:
+        if layer_sums:
+            assert e.checksum is None
+            assert e.lease.checksum == chunk_checksum(e.lease.tensor)
+        else:
+            assert e.lease.checksum is None and e.checksum is not None
+    entries[0].lease.tensor.view(-1).view(torch.uint8)[3] ^= 0x01
+    src.kv = torch.zeros_like(src.kv)
+    mask = engine.retrieve(tokens, None, TransferSpec(torch.arange(2 * CS)))
+    assert not bool(mask[:CS].any())  # the bad chunk is not loaded
+    assert torch.all(src.kv[:, :CS] == 0)
+    assert engine.metrics.value("checksum_failures") == 1

@@ -312,8 +312,8 @@ class SGLangKVConnector(LayerRangeConnector):
         chunks: Sequence[ChunkTransfer],
         transfer: TransferSpec,
     ) -> StoreChecksums | None:
-        """:meth:`_from` through the gather kernel; all layers also sum each chunk. Returns
-        when the host buffers hold the bytes, or, ``transfer.deferred`` with a stream, once
+        """:meth:`_from` through the gather kernel, which also sums each chunk's bytes of the
+        layers moved (:meth:`KernelTransfer.store`). Returns when the host buffers hold the bytes, or, ``transfer.deferred`` with a stream, once
         the copies are enqueued on it."""
         positions, slots = self._staged_slots(chunks, transfer, 0)
         backend = self.backend

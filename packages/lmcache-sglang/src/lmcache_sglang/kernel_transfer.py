@@ -11,9 +11,10 @@ chunk-major staging lays chunk ``c`` out as ``[layers, n_c, heads * head_k + hea
 buffer in one copy, and a sum of staging bytes is :func:`lmcache.gpu_ops.chunk_checksum` of the
 host chunk.
 
-- **Store, all layers.** One ``gather_kv`` launch copies every chunk into staging and sums each
-  chunk in the same pass. The chunks go to their host buffers, the sums to a host tensor
-  (:class:`~lmcache.gpu_connector.checksums.StoreChecksums`).
+- **Store.** One ``gather_kv`` launch copies every chunk into staging and sums each chunk in the
+  same pass. The chunks go to their host buffers, the sums to a host tensor
+  (:class:`~lmcache.gpu_connector.checksums.StoreChecksums`). A layerwise store's calls each
+  return the sums of their layers; the cache engine adds them up to each chunk's checksum.
 - **Load, all layers.** The chunks come to staging. One ``checksum_chunks`` launch sums them and
   compares each with the sum stored with it. One ``scatter_kv`` launch then writes the chunks
   that matched. A chunk that did not match has its slots set to ``-1``, so none of its bytes
@@ -180,12 +181,15 @@ class KernelTransfer:
         on_engine_read: Callable[[], None] | None,
     ) -> StoreChecksums | None:
         """Enqueue the copy of ``layers`` of the chunks into their host buffers on the current
-        stream; with all layers, also each chunk's checksum (returned, readable with the bytes).
+        stream, and each chunk's sum of those layers' bytes (returned, readable with the bytes):
+        with all layers its checksum; with some, a part the engine adds up over the layers.
+        ``None`` for some layers of rows that are not whole 64-bit words (the kernels sum a
+        layer range only over whole words): the engine hashes such chunks on the host.
         """
         full = len(layers) == self.num_layers
         staging = self._staging(index, layers)
         sums = None
-        if full:
+        if full or (self.kv_width * self.element_size) % 8 == 0:
             sums = torch.empty(len(index.positions), dtype=torch.int64, device=self.device)
         gpu_ops.gather_kv(
             self.paged, index.slots, index.offsets, staging, checksums=sums, layers=layers

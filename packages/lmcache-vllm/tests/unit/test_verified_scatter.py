@@ -208,6 +208,30 @@ def test_kernel_pieces_move_what_one_piece_moves(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["lbnhc", "lbhnc", "mla"])
+def test_layerwise_store_sums_add_up(kind: str, device: str, monkeypatch) -> None:
+    """A store layer by layer through the gather kernel returns each layer's sums: over all
+    layers they add up to each chunk's checksum, and the bytes are those of an all-layer store."""
+    monkeypatch.setattr(FusedTransfer, "_kernel_store", lambda self, transfer: True)
+    n = RANGES[-1][1]
+    slots = _slots(n, 40, "cpu")
+    md, conn = _checked_conn(kind, device, 41)
+    whole = chunk_buffers(conn, RANGES, "adjacent")
+    conn.from_gpu(whole, TransferSpec(slots))
+    conn.synchronize()
+    chunks = chunk_buffers(conn, RANGES, "scattered")
+    total = [0] * len(chunks)
+    for layer in range(md.num_layers):
+        sums = conn.from_gpu_layer(layer, chunks, TransferSpec(slots))
+        conn.synchronize()
+        assert sums is not None
+        total = [(t + v) % (1 << 64) for t, v in zip(total, sums.values(), strict=True)]
+    assert total == [chunk_checksum(c.buffer) for c in chunks]
+    for a, b in zip(chunks, whole, strict=True):
+        assert torch.equal(_bits(a.buffer), _bits(b.buffer))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["lbnhc", "mla"])
 def test_layerwise_load_sums_add_up(kind: str, device: str) -> None:
     md, src = _checked_conn(kind, device, 5)

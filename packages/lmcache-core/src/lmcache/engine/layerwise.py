@@ -25,13 +25,14 @@ from lmcache.engine.chunk_moves import (
     unmark,
 )
 from lmcache.engine.store_plan import StagedStore
-from lmcache.gpu_connector.checksums import LoadChecks
+from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums
 from lmcache.gpu_connector.interface import (
     ChunkTransfer,
     GPUConnectorInterface,
     SupportsLayerwise,
     TransferSpec,
 )
+from lmcache.gpu_ops.mix64sum import signed64
 
 __all__ = ["LayerwiseRetrieve", "LayerwiseStore"]
 
@@ -58,6 +59,7 @@ class _LayerwiseOp:
         self._num_layers = num_layers
         self._next_layer = 0
         self._checks: list[LoadChecks | None] = []  # what each load call checked
+        self._store_sums: list[StoreChecksums] = []  # each store call's sums of its layer
         self._done = False
 
     def _check_layer(self, layer: int) -> None:
@@ -72,7 +74,9 @@ class _LayerwiseOp:
     def _step(
         self,
         layer: int,
-        move: Callable[[int, Sequence[ChunkTransfer], TransferSpec], LoadChecks | None],
+        move: Callable[
+            [int, Sequence[ChunkTransfer], TransferSpec], LoadChecks | StoreChecksums | None
+        ],
     ) -> None:
         """Run ``move`` for ``layer`` over every chunk; a failure aborts and is raised."""
         self._check_layer(layer)
@@ -86,6 +90,8 @@ class _LayerwiseOp:
                 checks = move([p.chunk for p in self._pending])
                 if isinstance(checks, LoadChecks):
                     self._checks.append(checks)
+                elif isinstance(checks, StoreChecksums):
+                    self._store_sums.append(checks)
             except BaseException:
                 self.abort()
                 raise
@@ -151,10 +157,22 @@ class LayerwiseStore(_LayerwiseOp):
         self._step(layer, self._layerwise.from_gpu_layer)
 
     def finish(self) -> int:
-        """Make the chunks visible to lookups; returns the number of tokens stored."""
+        """Make the chunks visible to lookups; returns the number of tokens stored.
+
+        When the connector summed every layer on the device, the layers' sums add up to each
+        chunk's checksum and the chunks are not hashed on the host. Call this once the copies
+        are complete (the sums are read here).
+        """
         self._check_complete()
         self._done = True
-        return StagedStore(self._committer, self._pending, self._chain, self._started).commit()
+        sums = None
+        if self._pending and len(self._store_sums) == self._num_layers:
+            layers = [s.values() for s in self._store_sums]
+            totals = [sum(parts) % (1 << 64) for parts in zip(*layers, strict=True)]
+            sums = StoreChecksums(torch.tensor([signed64(t) for t in totals], dtype=torch.int64))
+        return StagedStore(
+            self._committer, self._pending, self._chain, self._started, sums
+        ).commit()
 
 
 class LayerwiseRetrieve(_LayerwiseOp):

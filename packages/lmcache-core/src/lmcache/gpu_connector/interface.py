@@ -282,8 +282,13 @@ class SupportsLayerwise(ABC):
     @abstractmethod
     def from_gpu_layer(
         self, layer: int, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
-        """Like :meth:`GPUConnectorInterface.from_gpu`, for ``buffer[layer]`` of each chunk only."""
+    ) -> StoreChecksums | None:
+        """Like :meth:`GPUConnectorInterface.from_gpu`, for ``buffer[layer]`` of each chunk only.
+
+        A connector that sums on the device returns each chunk's sum of this layer's bytes
+        (at their place in the chunk): a chunk's sums over all layers add up, modulo 2**64,
+        to its checksum. ``None``: nothing summed (the engine hashes the chunks on the host).
+        """
 
     @abstractmethod
     def to_gpu_layer(

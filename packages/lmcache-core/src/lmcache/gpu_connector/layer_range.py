@@ -121,8 +121,9 @@ class LayerRangeConnector(GPUConnectorInterface, SupportsLayerwise):
 
     def from_gpu_layer(
         self, layer: int, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> None:
-        self._checked(self._from, range(layer, layer + 1), chunks, transfer)
+    ) -> StoreChecksums | None:
+        sums = self._checked(self._from, range(layer, layer + 1), chunks, transfer)
+        return sums if isinstance(sums, StoreChecksums) else None
 
     def to_gpu_layer(
         self, layer: int, chunks: Sequence[ChunkTransfer], transfer: TransferSpec

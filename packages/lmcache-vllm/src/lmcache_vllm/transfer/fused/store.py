@@ -97,6 +97,8 @@ class FusedStore(FusedViews):
         deferred = transfer.deferred and transfer.stream is not None and backend.has_streams
         if summing and self._kernel_store(transfer):
             return self._store_by_kernel(layers, chunks, transfer, deferred)
+        if self._sums_layers() and self._kernel_store(transfer):
+            return self._store_layers_by_kernel(layers, chunks, transfer, deferred)
         try:
             prep = transfer.prepared
             if not isinstance(prep, PreparedStore):
@@ -148,6 +150,55 @@ class FusedStore(FusedViews):
                 self._sync(transfer)
             raise
         return sums
+
+    def _sums_layers(self) -> bool:
+        """Whether a store of some layers can sum them on the device: the kernels sum a layer
+        range only over whole 64-bit words of each token's row."""
+        return self._sums is not None and self.kv_width * self._caches[0].element_size() % 8 == 0
+
+    def _store_layers_by_kernel(
+        self,
+        layers: range,
+        chunks: Sequence[ChunkTransfer],
+        transfer: TransferSpec,
+        deferred: bool,
+    ) -> StoreChecksums:
+        """Some layers of every chunk (a layerwise store): one ``gather_kv`` launch of those
+        layers, which sums each chunk's bytes of them in the same pass, then the DMAs. The
+        engine adds the layers' sums up to each chunk's checksum. The index a prepared store
+        uploaded is reused by every layer."""
+        assert self._sums is not None
+        backend = self.backend
+        plan = self._plan(layers, chunks, 0, 0)
+        prep = transfer.prepared
+        try:
+            with self._stream_ctx(transfer):
+                if (
+                    isinstance(prep, PreparedStore)
+                    and prep.kernel_index is not None
+                    and prep.chunks is chunks
+                    and prep.indexes(plan, transfer)
+                ):
+                    index = prep.kernel_index
+                    backend.wait_event(backend.current_stream(self.device), prep.uploaded)
+                else:
+                    index = self._sums.load_index(plan, chunks, transfer)
+                staging = torch.empty(
+                    plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
+                )
+                sums = self._sums.new_sums(len(index.positions))
+                self._sums.gather_layers(index, staging, sums, layers)
+                if transfer.on_engine_read is not None:
+                    transfer.on_engine_read()
+                self._copy_runs(plan, staging, to_host=True)
+                checksums = self._sums.sums_to_host(sums)
+            if not deferred:
+                self._sync(transfer)
+        except BaseException:
+            if deferred:  # the caller releases the buffers: no queued copy may still fill them
+                self._sync(transfer)
+            raise
+        return checksums
 
     def _kernel_store_plan(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec

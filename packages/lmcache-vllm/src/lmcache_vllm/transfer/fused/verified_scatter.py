@@ -217,6 +217,15 @@ class ChunkChecksums:
         stream (readable with the store's bytes)."""
         return StoreChecksums(self._download(sums))
 
+    def gather_layers(
+        self, index: LoadIndex, staging: torch.Tensor, sums: torch.Tensor, layers: range
+    ) -> None:
+        """Gather ``layers`` of every staged chunk into ``staging`` (those layers only), and
+        each chunk's sum of their bytes into ``sums``; on the current stream."""
+        gpu_ops.gather_kv(
+            self.paged, index.slots, index.offsets, staging, checksums=sums, layers=layers
+        )
+
     def verified_scatter_pieces(
         self,
         index: LoadIndex,
