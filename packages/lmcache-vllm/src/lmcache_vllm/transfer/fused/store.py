@@ -176,7 +176,6 @@ class FusedStore(FusedViews):
                 if (
                     isinstance(prep, PreparedStore)
                     and prep.kernel_index is not None
-                    and prep.chunks is chunks
                     and prep.indexes(plan, transfer)
                 ):
                     index = prep.kernel_index
