@@ -34,9 +34,13 @@ import torch
 
 from lmcache import gpu_ops
 from lmcache.devices import UploadRing
-from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums
+from lmcache.gpu_connector.checksums import (
+    LoadChecks,
+    StoreChecksums,
+    expected_sums,
+    match_sums,
+)
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
-from lmcache.gpu_ops.mix64sum import signed64
 
 if TYPE_CHECKING:
     from lmcache.devices import DeviceBackend
@@ -72,21 +76,6 @@ class LoadIndex:
 def _offsets(counts: Sequence[int]) -> list[int]:
     """``[len(counts) + 1]`` running offsets of consecutive ranges of ``counts`` units."""
     return [0, *itertools.accumulate(counts)]
-
-
-def _expected(checksums: Sequence[int | None]) -> list[int]:
-    """Each chunk's stored sum as int64 bits (0 without one), then a has-a-sum flag each: the
-    two halves :func:`_matches` compares against."""
-    return [*(signed64(c) if c is not None else 0 for c in checksums)] + [
-        int(c is not None) for c in checksums
-    ]
-
-
-def _matches(sums: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    """Per chunk, whether ``sums`` equals the stored sum, or the chunk has none; ``expected`` is
-    :func:`_expected` on the device."""
-    k = sums.numel()
-    return (sums == expected[:k]) | (expected[k:] == 0)
 
 
 class ChunkChecksums:
@@ -160,7 +149,7 @@ class ChunkChecksums:
             torch.from_numpy(host_slots[moved]), lambda: torch.from_numpy(tokens[moved])
         )
         host_slots[~moved] = -1
-        expected = np.array(_expected([chunks[i].checksum for i in positions]), dtype=np.int64)
+        expected = np.array(expected_sums([chunks[i].checksum for i in positions]), dtype=np.int64)
         packed = np.concatenate([offsets, host_slots, chunk_of, expected])
         dev = self._upload(torch.from_numpy(packed))
         a = k + 1
@@ -184,7 +173,7 @@ class ChunkChecksums:
         """Verify every staged chunk (all layers), then scatter the ones that matched; all on
         the current stream. ``staging`` holds exactly the staged chunks, all layers."""
         sums = gpu_ops.checksum_chunks(staging, index.offsets, unit_bytes=index.row_bytes)
-        ok = _matches(sums, index.expected)
+        ok = match_sums(sums, index.expected)
         slots = torch.where(ok[index.chunk_of], index.slots, -1)
         gpu_ops.scatter_kv(self.paged, slots, index.offsets, staging)
         return LoadChecks(index.positions, ok=self._download(ok))
@@ -317,10 +306,10 @@ class ChunkChecksums:
     ) -> torch.Tensor:
         """Enqueue: whether each byte range ``[bounds[i], bounds[i + 1])`` of ``data`` sums to
         ``expected[i]`` (a host tensor, readable once the stream's work completes)."""
-        dev = self._upload(torch.tensor([*bounds, *_expected(expected)], dtype=torch.int64))
+        dev = self._upload(torch.tensor([*bounds, *expected_sums(expected)], dtype=torch.int64))
         k = len(expected)
         sums = gpu_ops.checksum_chunks(data, dev[: k + 1])
-        return self._download(_matches(sums, dev[k + 1 :]))
+        return self._download(match_sums(sums, dev[k + 1 :]))
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` on the device, through a reused page-locked buffer, without a host wait."""
