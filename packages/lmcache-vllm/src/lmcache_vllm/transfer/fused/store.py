@@ -89,16 +89,15 @@ class FusedStore(FusedViews):
     def from_cache(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
     ) -> StoreChecksums | None:
-        """Copy ``layers`` of the chunks out of the cache; with all layers on a device with
-        streams, also sum each chunk's staged bytes (returned, readable with the bytes)."""
+        """Copy ``layers`` of the chunks out of the cache. On a device with streams, also sum
+        each chunk's staged bytes of those layers (returned, readable with the bytes): with all
+        layers its checksum, with some a part the engine adds up."""
         backend = self.backend
         sums: StoreChecksums | None = None
         summing = self._sums is not None and len(layers) == self.num_layers
         deferred = transfer.deferred and transfer.stream is not None and backend.has_streams
-        if summing and self._kernel_store(transfer):
+        if (summing or self._sums_layers()) and self._kernel_store(transfer):
             return self._store_by_kernel(layers, chunks, transfer, deferred)
-        if self._sums_layers() and self._kernel_store(transfer):
-            return self._store_layers_by_kernel(layers, chunks, transfer, deferred)
         try:
             prep = transfer.prepared
             if not isinstance(prep, PreparedStore):
@@ -156,49 +155,6 @@ class FusedStore(FusedViews):
         range only over whole 64-bit words of each token's row."""
         return self._sums is not None and self.kv_width * self._caches[0].element_size() % 8 == 0
 
-    def _store_layers_by_kernel(
-        self,
-        layers: range,
-        chunks: Sequence[ChunkTransfer],
-        transfer: TransferSpec,
-        deferred: bool,
-    ) -> StoreChecksums:
-        """Some layers of every chunk (a layerwise store): one ``gather_kv`` launch of those
-        layers, which sums each chunk's bytes of them in the same pass, then the DMAs. The
-        engine adds the layers' sums up to each chunk's checksum. The index a prepared store
-        uploaded is reused by every layer."""
-        assert self._sums is not None
-        backend = self.backend
-        plan = self._plan(layers, chunks, 0, 0)
-        prep = transfer.prepared
-        try:
-            with self._stream_ctx(transfer):
-                if (
-                    isinstance(prep, PreparedStore)
-                    and prep.kernel_index is not None
-                    and prep.indexes(plan, transfer)
-                ):
-                    index = prep.kernel_index
-                    backend.wait_event(backend.current_stream(self.device), prep.uploaded)
-                else:
-                    index = self._sums.load_index(plan, chunks, transfer)
-                staging = torch.empty(
-                    plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
-                )
-                sums = self._sums.new_sums(len(index.positions))
-                self._sums.gather_layers(index, staging, sums, layers)
-                if transfer.on_engine_read is not None:
-                    transfer.on_engine_read()
-                self._copy_runs(plan, staging, to_host=True)
-                checksums = self._sums.sums_to_host(sums)
-            if not deferred:
-                self._sync(transfer)
-        except BaseException:
-            if deferred:  # the caller releases the buffers: no queued copy may still fill them
-                self._sync(transfer)
-            raise
-        return checksums
-
     def _kernel_store_plan(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
     ) -> StagingPlan:
@@ -234,12 +190,12 @@ class FusedStore(FusedViews):
         return checksums
 
     kernel_gather: bool = True
-    """Store all layers through the ``gather_kv`` kernel when the extension is loaded: one
-    launch for every chunk and layer, each chunk's checksum computed in the same pass."""
+    """Store through the ``gather_kv`` kernel when the extension is loaded: one launch for
+    every chunk and the layers stored, each chunk's sum computed in the same pass."""
 
     def _kernel_store(self, transfer: TransferSpec) -> bool:
-        """Whether a store of all layers goes through :meth:`_store_by_kernel`: the kernel is
-        on and loaded, and the slot mapping is on the host (checked there, with no sync)."""
+        """Whether a store goes through :meth:`_store_by_kernel`: the kernel is on and loaded,
+        and the slot mapping is on the host (checked there, with no sync)."""
         return (
             self.kernel_gather
             and transfer.slot_mapping.device.type == "cpu"
@@ -253,39 +209,51 @@ class FusedStore(FusedViews):
         transfer: TransferSpec,
         deferred: bool,
     ) -> StoreChecksums:
-        """All layers of every chunk: one ``gather_kv`` launch into staging that also sums
-        each chunk, then the DMAs to the host (their plan prepared ahead when it was)."""
+        """``layers`` of every chunk through the ``gather_kv`` kernel into staging, which sums
+        each chunk's bytes of them in the same pass, then the DMAs to the host.
+
+        All layers: one launch (in pieces when nobody defers it), each chunk's checksum. Some
+        layers (a layerwise store): the sums of those layers, which the engine adds up. The
+        plan and index a prepared store made are reused (every layer of a layerwise store
+        reuses its index).
+        """
         assert self._sums is not None
         backend = self.backend
         prep = transfer.prepared
-        index = None
-        if isinstance(prep, PreparedStore) and prep.matches(layers, chunks, transfer):
+        if not isinstance(prep, PreparedStore) or prep.kernel_index is None:
+            prep = None  # nothing prepared for the kernel
+        if prep is not None and prep.matches(layers, chunks, transfer):
             plan = prep.plan
-            index = prep.kernel_index
-        else:
-            prep = None
+        elif len(layers) == self.num_layers:
             plan = self._kernel_store_plan(layers, chunks, transfer)
+        else:
+            plan = self._plan(layers, chunks, 0, 0)
+        if prep is not None and not prep.indexes(plan, transfer):
+            prep = None
         try:
             with self._stream_ctx(transfer):
-                if index is None:
+                if prep is None:
                     index = self._sums.load_index(plan, chunks, transfer)
-                elif prep is not None:
+                else:
+                    index = prep.kernel_index
                     backend.wait_event(backend.current_stream(self.device), prep.uploaded)
                 staging = torch.empty(
                     plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
                 )
                 copy = self._copy_stream(plan, to_host=True)
                 if copy is None:
-                    sums = self._sums.gather_with_sums(index, staging)
+                    sums = self._sums.new_sums(len(index.positions))
+                    self._sums.gather_layers(index, staging, sums, layers)
                     if transfer.on_engine_read is not None:
                         transfer.on_engine_read()
                     self._copy_runs(plan, staging, to_host=True)
+                    checksums = self._sums.sums_to_host(sums)
                 else:
-                    sums = self._gather_pieces(plan, index, staging, copy, transfer)
+                    checksums = self._gather_pieces(plan, index, staging, copy, transfer)
             if not deferred:
                 self._sync(transfer)
         except BaseException:
             if deferred:  # the caller releases the buffers: no queued copy may still fill them
                 self._sync(transfer)
             raise
-        return sums
+        return checksums

@@ -162,13 +162,6 @@ class ChunkChecksums:
             plan.row_bytes,
         )
 
-    def gather_with_sums(self, index: LoadIndex, staging: torch.Tensor) -> StoreChecksums:
-        """Gather every layer of the staged chunks into ``staging`` in one ``gather_kv``
-        launch, summing each chunk in the same pass; on the current stream."""
-        sums = torch.empty(len(index.positions), dtype=torch.int64, device=self.device)
-        gpu_ops.gather_kv(self.paged, index.slots, index.offsets, staging, checksums=sums)
-        return StoreChecksums(self._download(sums))
-
     def verified_scatter(self, index: LoadIndex, staging: torch.Tensor) -> LoadChecks:
         """Verify every staged chunk (all layers), then scatter the ones that matched; all on
         the current stream. ``staging`` holds exactly the staged chunks, all layers."""
@@ -185,7 +178,7 @@ class ChunkChecksums:
         sums: torch.Tensor,
         span: tuple[int, int, int, int],
     ) -> None:
-        """:meth:`gather_with_sums` of one piece: staged chunks ``[a, b)``, staging tokens
+        """:meth:`gather_layers` of all layers, one piece: staged chunks ``[a, b)``, staging tokens
         ``[ta, tb)`` (``span``), their sums into ``sums[a:b]``; on the current stream."""
         a, b, ta, tb = span
         rb = index.row_bytes
@@ -233,7 +226,7 @@ class ChunkChecksums:
             offsets = index.offsets[a : b + 1] - ta
             part = staging[ta * rb : tb * rb]
             sums = gpu_ops.checksum_chunks(part, offsets, unit_bytes=rb)
-            good = (sums == index.expected[a:b]) | (index.expected[k + a : k + b] == 0)
+            good = match_sums(sums, index.expected.view(2, k)[:, a:b].reshape(-1))
             ok[a:b] = good
             slots = torch.where(good[index.chunk_of[ta:tb] - a], index.slots[ta:tb], -1)
             gpu_ops.scatter_kv(self.paged, slots, offsets, part)
