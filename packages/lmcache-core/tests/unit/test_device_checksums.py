@@ -244,3 +244,17 @@ def test_a_layerwise_store_adds_up_the_layers_sums(layer_sums: bool) -> None:
     assert not bool(mask[:CS].any())  # the bad chunk is not loaded
     assert torch.all(src.kv[:, :CS] == 0)
     assert engine.metrics.value("checksum_failures") == 1
+
+
+def test_a_packed_index_splits_back_into_its_parts() -> None:
+    from lmcache.gpu_connector.checksums import expected_sums, pack_index, split_index
+
+    counts, slots = [3, 1, 2], torch.tensor([7, 8, 9, -1, 4, 5])
+    sums = [5, None, (1 << 64) - 1]
+    packed = pack_index(counts, slots, sums)
+    assert packed.dtype == torch.int64
+    offsets, got_slots, chunk_of, expected = split_index(packed, 3, 6)
+    assert offsets.tolist() == [0, 3, 4, 6]
+    assert torch.equal(got_slots, slots)
+    assert chunk_of.tolist() == [0, 0, 0, 1, 2, 2]
+    assert expected.tolist() == expected_sums(sums) == [5, 0, -1, 1, 0, 1]

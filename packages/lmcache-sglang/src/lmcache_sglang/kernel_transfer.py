@@ -30,7 +30,6 @@ the device. This module never imports SGLang.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,8 +41,9 @@ from lmcache.devices import UploadRing
 from lmcache.gpu_connector.checksums import (
     LoadChecks,
     StoreChecksums,
-    expected_sums,
     match_sums,
+    pack_index,
+    split_index,
 )
 from lmcache.gpu_connector.interface import ChunkTransfer
 
@@ -150,26 +150,9 @@ class KernelTransfer:
         ``slots`` (checked, ``-1`` where not written), uploaded in one copy on the current stream.
         """
         counts = [chunks[p].num_tokens for p in positions]
-        k, total = len(positions), sum(counts)
-        chunk_of = torch.repeat_interleave(torch.arange(k, dtype=torch.int64), torch.tensor(counts))
-        packed = torch.cat(
-            [
-                torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64),
-                slots.to(torch.int64),
-                chunk_of,
-                torch.tensor(expected_sums([chunks[p].checksum for p in positions])),
-            ]
-        ).to(torch.int64)
+        packed = pack_index(counts, slots, [chunks[p].checksum for p in positions])
         dev = self._upload(packed)
-        a = k + 1
-        return StagedIndex(
-            positions,
-            counts,
-            dev[:a],
-            dev[a : a + total],
-            dev[a + total : a + 2 * total],
-            dev[a + 2 * total :],
-        )
+        return StagedIndex(positions, counts, *split_index(dev, len(positions), sum(counts)))
 
     # -- store --------------------------------------------------------------------------------
 

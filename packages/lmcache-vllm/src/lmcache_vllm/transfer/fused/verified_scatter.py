@@ -39,6 +39,8 @@ from lmcache.gpu_connector.checksums import (
     StoreChecksums,
     expected_sums,
     match_sums,
+    pack_index,
+    split_index,
 )
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 
@@ -149,18 +151,9 @@ class ChunkChecksums:
             torch.from_numpy(host_slots[moved]), lambda: torch.from_numpy(tokens[moved])
         )
         host_slots[~moved] = -1
-        expected = np.array(expected_sums([chunks[i].checksum for i in positions]), dtype=np.int64)
-        packed = np.concatenate([offsets, host_slots, chunk_of, expected])
-        dev = self._upload(torch.from_numpy(packed))
-        a = k + 1
-        return LoadIndex(
-            positions,
-            dev[:a],
-            dev[a : a + total],
-            dev[a + total : a + 2 * total],
-            dev[a + 2 * total :],
-            plan.row_bytes,
-        )
+        checksums = [chunks[i].checksum for i in positions]
+        dev = self._upload(pack_index(counts.tolist(), host_slots, checksums))
+        return LoadIndex(positions, *split_index(dev, k, total), plan.row_bytes)
 
     def verified_scatter(self, index: LoadIndex, staging: torch.Tensor) -> LoadChecks:
         """Verify every staged chunk (all layers), then scatter the ones that matched; all on
