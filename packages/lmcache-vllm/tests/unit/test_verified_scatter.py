@@ -51,6 +51,15 @@ def chunk_buffers(conn, ranges, layout: str) -> list[ChunkTransfer]:
     return [ChunkTransfer(s, e, b) for (s, e), b in zip(ranges, bufs, strict=True)]
 
 
+def _stored(conn, chunks: list[ChunkTransfer], slots) -> list[ChunkTransfer]:
+    """Store ``chunks`` from ``conn`` (their buffers receive the bytes) and return them carrying
+    the sums the store computed."""
+    sums = conn.from_gpu(chunks, TransferSpec(slots))
+    conn.synchronize()
+    assert sums is not None
+    return [dataclasses.replace(c, checksum=v) for c, v in zip(chunks, sums.values(), strict=True)]
+
+
 def _slots(n: int, seed: int, device: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (torch.randperm((NUM_BLOCKS - 1) * BLOCK, generator=g)[:n] + BLOCK).to(device)
@@ -74,14 +83,9 @@ def test_store_sums_and_verified_load(kind, device, skip, store, monkeypatch) ->
     n = RANGES[-1][1]
     slots = _slots(n, 2, "cpu")
     chunks = chunk_buffers(src, RANGES, "adjacent")
-    sums = src.from_gpu(chunks, TransferSpec(slots))
-    src.synchronize()
-    assert sums is not None
-    assert sums.values() == [chunk_checksum(c.buffer) for c in chunks]
+    chunks = _stored(src, chunks, slots)
+    assert [c.checksum for c in chunks] == [chunk_checksum(c.buffer) for c in chunks]
 
-    chunks = [
-        dataclasses.replace(c, checksum=s) for c, s in zip(chunks, sums.values(), strict=True)
-    ]
     chunks[1].buffer.reshape(-1).view(torch.uint8)[7] ^= 0x20  # one bit of chunk 1
     _, dst = _checked_conn(kind, device, 3)
     _, ref = _checked_conn(kind, device, 3)  # same poison: the reference loads good chunks
@@ -109,12 +113,7 @@ def test_verified_load_of_chunks_with_a_gap(device: str, skip: int) -> None:
     md, src = _checked_conn("lbnhc", device, 19)
     n = RANGES[-1][1]
     chunks = chunk_buffers(src, RANGES, "scattered")
-    sums = src.from_gpu(chunks, TransferSpec(_slots(n, 20, "cpu")))
-    src.synchronize()
-    assert sums is not None
-    chunks = [
-        dataclasses.replace(c, checksum=s) for c, s in zip(chunks, sums.values(), strict=True)
-    ]
+    chunks = _stored(src, chunks, _slots(n, 20, "cpu"))
     chunks[2].buffer.reshape(-1).view(torch.uint8)[5] ^= 0x04
     picked = [chunks[0], chunks[2], chunks[3]]
     _, dst = _checked_conn("lbnhc", device, 21)
@@ -178,12 +177,7 @@ def test_kernel_pieces_move_what_one_piece_moves(
         if device == "cpu":
             _on_stand_in_streams(src)
         chunks = chunk_buffers(src, RANGES, "scattered")
-        sums = src.from_gpu(chunks, TransferSpec(_slots(n, 32, "cpu")))
-        src.synchronize()
-        assert sums is not None
-        chunks = [
-            dataclasses.replace(c, checksum=s) for c, s in zip(chunks, sums.values(), strict=True)
-        ]
+        chunks = _stored(src, chunks, _slots(n, 32, "cpu"))
         chunks[2].buffer.reshape(-1).view(torch.uint8)[9] ^= 0x10
         _, dst = _checked_conn(kind, device, 33)
         if device == "cpu":
@@ -193,7 +187,7 @@ def test_kernel_pieces_move_what_one_piece_moves(
         assert checks is not None
         got.append(
             (
-                sums.values(),
+                [c.checksum for c in chunks],
                 [_bits(c.buffer) for c in chunks],
                 checks.chunks,
                 checks.ok(),
@@ -237,12 +231,7 @@ def test_layerwise_load_sums_add_up(kind: str, device: str) -> None:
     md, src = _checked_conn(kind, device, 5)
     slots = _slots(RANGES[-1][1], 6, "cpu")
     chunks = chunk_buffers(src, RANGES, "scattered")
-    sums = src.from_gpu(chunks, TransferSpec(slots))
-    src.synchronize()
-    assert sums is not None
-    chunks = [
-        dataclasses.replace(c, checksum=s) for c, s in zip(chunks, sums.values(), strict=True)
-    ]
+    chunks = _stored(src, chunks, slots)
     chunks[2].buffer.reshape(-1).view(torch.uint8)[3] ^= 0x01
     _, dst = _checked_conn(kind, device, 7)
     total = [0] * len(chunks)
@@ -266,12 +255,7 @@ def test_prefetched_load_is_verified_too() -> None:
     _, src = _checked_conn("lbnhc", "cuda", 9)
     slots = _slots(RANGES[-1][1], 10, "cpu")
     chunks = chunk_buffers(src, RANGES, "adjacent")
-    sums = src.from_gpu(chunks, TransferSpec(slots))
-    src.synchronize()
-    assert sums is not None
-    chunks = [
-        dataclasses.replace(c, checksum=s) for c, s in zip(chunks, sums.values(), strict=True)
-    ]
+    chunks = _stored(src, chunks, slots)
     chunks[0].buffer.reshape(-1).view(torch.uint8)[11] ^= 0x80
     _, dst = _checked_conn("lbnhc", "cuda", 11)
     stream = dst.backend.new_stream(dst.device)
@@ -294,12 +278,7 @@ def test_prefetched_copy_freed_without_a_collection(layers: str) -> None:
 
     _, src = _checked_conn("lbnhc", "cuda", 15)
     chunks = chunk_buffers(src, RANGES, "adjacent")
-    sums = src.from_gpu(chunks, TransferSpec(_slots(RANGES[-1][1], 16, "cpu")))
-    src.synchronize()
-    assert sums is not None
-    chunks = [
-        dataclasses.replace(c, checksum=s) for c, s in zip(chunks, sums.values(), strict=True)
-    ]
+    chunks = _stored(src, chunks, _slots(RANGES[-1][1], 16, "cpu"))
     md, dst = _checked_conn("lbnhc", "cuda", 17)
     stream = dst.backend.new_stream(dst.device)
     gc.disable()
@@ -330,12 +309,7 @@ def test_verify_chunks_before_a_load(device: str, scratch: int, damage: str) -> 
     _, src = _checked_conn("lbnhc", device, 13)
     ranges = [(0, 8), (8, 16), (16, 24)]
     chunks = chunk_buffers(src, ranges, "scattered")
-    sums = src.from_gpu(chunks, TransferSpec(_slots(24, 14, "cpu")))
-    src.synchronize()
-    assert sums is not None
-    chunks = [
-        dataclasses.replace(c, checksum=s) for c, s in zip(chunks, sums.values(), strict=True)
-    ]
+    chunks = _stored(src, chunks, _slots(24, 14, "cpu"))
     chunks.append(dataclasses.replace(chunks[0], start=24, end=32, checksum=None))  # no sum: ok
     fused = src.transfer
     fused._sums.scratch_bytes = scratch
