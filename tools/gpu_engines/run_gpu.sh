@@ -30,7 +30,7 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, output to the log
   return $rc
 }
 step tests $((DEADLINE - SECONDS - XFER_S - VLLM_S)) python3 -m nox -s gpu; TESTS=$?
-# vLLM from the folder `nox -s gpu` unpacked it into (noxfile.py: GPU_SITE)
+# vLLM from the folder `nox -s gpu` unpacked it into (tools/gpu_engines/bundles.py: GPU_SITE)
 export PYTHONPATH=/tmp/lmcache-vllm-site${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
 step gpu_transfer "$XFER_S" python3 benchmarks/gpu_transfer.py "${QUICK[@]}"; XFER=$?
