@@ -354,7 +354,7 @@ class SGLangKVConnector(LayerRangeConnector):
     def close(self) -> None:
         self._layers = []
         if self.kernels is not None:
-            self.kernels.uploads.close()  # no queued upload may read a freed buffer
+            self.kernels.checks.close()  # no queued upload may read a freed buffer
         self.kernels = None
 
 

@@ -37,14 +37,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcache import gpu_ops
-from lmcache.devices import UploadRing
-from lmcache.gpu_connector.checksums import (
-    LoadChecks,
-    StoreChecksums,
-    match_sums,
-    pack_index,
-    split_index,
-)
+from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums, pack_index, split_index
+from lmcache.gpu_connector.device_checks import DeviceChecks
 from lmcache.gpu_connector.interface import ChunkTransfer
 
 if TYPE_CHECKING:
@@ -136,9 +130,7 @@ class KernelTransfer:
         self.kv_width = paged.kv_width
         self.dtype = paged.dtype
         self.element_size = paged.k[0].element_size()
-        self.uploads = UploadRing(backend, paged.device)
-        # Load (or JIT-build) the extension now, at engine start, not on the first request.
-        gpu_ops.uses_cext(self.device)
+        self.checks = DeviceChecks(paged, backend)
 
     def index(
         self,
@@ -151,7 +143,7 @@ class KernelTransfer:
         """
         counts = [chunks[p].num_tokens for p in positions]
         packed = pack_index(counts, slots, [chunks[p].checksum for p in positions])
-        dev = self._upload(packed)
+        dev = self.checks.upload(packed)
         return StagedIndex(positions, counts, *split_index(dev, len(positions), sum(counts)))
 
     # -- store --------------------------------------------------------------------------------
@@ -173,7 +165,7 @@ class KernelTransfer:
         staging = self._staging(index, layers)
         sums = None
         if full or (self.kv_width * self.element_size) % 8 == 0:
-            sums = torch.empty(len(index.positions), dtype=torch.int64, device=self.device)
+            sums = self.checks.new_sums(len(index.positions))
         gpu_ops.gather_kv(
             self.paged, index.slots, index.offsets, staging, checksums=sums, layers=layers
         )
@@ -181,7 +173,7 @@ class KernelTransfer:
             on_engine_read()  # the gather read the pools; the copies below read staging only
         hosts = [chunks[p].buffer[layers.start : layers.stop] for p in index.positions]
         self.backend.copy_batch(hosts, self._segments(staging, index, layers), self._stream())
-        return StoreChecksums(self._download(sums)) if sums is not None else None
+        return StoreChecksums(self.checks.download(sums)) if sums is not None else None
 
     # -- load ---------------------------------------------------------------------------------
 
@@ -199,21 +191,23 @@ class KernelTransfer:
             gpu_ops.scatter_kv(self.paged, index.slots, index.offsets, staging, layers=layers)
             return None
         if len(layers) == self.num_layers:
-            row_bytes = self.num_layers * self.kv_width * self.element_size
-            sums = gpu_ops.checksum_chunks(staging, index.offsets, unit_bytes=row_bytes)
-            ok = match_sums(sums, index.expected)
-            slots = torch.where(ok[index.chunk_of], index.slots, -1)
-            gpu_ops.scatter_kv(self.paged, slots, index.offsets, staging, layers=layers)
-            return LoadChecks(index.positions, ok=self._download(ok))
+            return self.checks.verified_scatter(
+                index.positions,
+                staging,
+                index.offsets,
+                index.slots,
+                index.chunk_of,
+                index.expected,
+                self.num_layers * self.kv_width * self.element_size,
+                layers,
+            )
         if (self.kv_width * self.element_size) % 8:
             # the kernels sum a layer range only over whole 64-bit words: the engine hashes
             gpu_ops.scatter_kv(self.paged, index.slots, index.offsets, staging, layers=layers)
             return None
-        sums = torch.empty(len(index.positions), dtype=torch.int64, device=self.device)
-        gpu_ops.scatter_kv(
-            self.paged, index.slots, index.offsets, staging, checksums=sums, layers=layers
+        return self.checks.summed_scatter(
+            index.positions, staging, index.offsets, index.slots, layers
         )
-        return LoadChecks(index.positions, sums=self._download(sums), layers=layers)
 
     # -- buffers ------------------------------------------------------------------------------
 
@@ -235,19 +229,3 @@ class KernelTransfer:
             out.append(staging[at : at + size].view(nl, n, self.kv_width))
             at += size
         return out
-
-    def _upload(self, host: torch.Tensor) -> torch.Tensor:
-        """``host`` on the device, through a reused page-locked buffer, without a host wait."""
-        if self.device.type == "cpu":
-            return host
-        return self.uploads.upload(host)
-
-    def _download(self, dev: torch.Tensor) -> torch.Tensor:
-        """A host copy of small ``dev``, enqueued on the current stream (read it after the
-        stream's work completes; the caller keeps it alive until then)."""
-        if self.device.type == "cpu":
-            return dev.clone()
-        nbytes = dev.numel() * dev.element_size()
-        host = self.backend.pinned_empty(nbytes).view(dev.dtype).view(dev.shape)
-        self.backend.copy(host, dev, self._stream())
-        return host

@@ -9,6 +9,10 @@
 - :mod:`~lmcache.gpu_connector.utils`: device helpers.
 - :mod:`~lmcache.gpu_connector.layer_range`: what slot-mapped connectors share (the
   :class:`LayerRangeConnector` base, :func:`moved_tokens`, :func:`engine_selector`).
+- :mod:`~lmcache.gpu_connector.checksums`: the sums a connector hands back to the engine, and
+  the packed index of a kernel transfer.
+- :mod:`~lmcache.gpu_connector.device_checks`: :class:`DeviceChecks`, the device half of those
+  sums that the kernel connectors share (index uploads, result downloads, the verified scatter).
 
 Names are imported lazily; nothing here imports an engine.
 """

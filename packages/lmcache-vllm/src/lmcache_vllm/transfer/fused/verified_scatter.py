@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from lmcache import gpu_ops
-from lmcache.devices import UploadRing
 from lmcache.gpu_connector.checksums import (
     LoadChecks,
     StoreChecksums,
@@ -42,6 +41,7 @@ from lmcache.gpu_connector.checksums import (
     pack_index,
     split_index,
 )
+from lmcache.gpu_connector.device_checks import DeviceChecks
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 
 if TYPE_CHECKING:
@@ -97,19 +97,17 @@ class ChunkChecksums:
         else:
             self.paged = gpu_ops.PagedKV.from_vllm(list(cache.caches), cache.head_size_k)
         # a 16k-token load's index is ~33k int64: one buffer of 64k holds a 32k-token one
-        self.uploads = UploadRing(backend, cache.device, min_numel=1 << 16)
-        # Load (or JIT-build) the extension now, at engine start, not on the first request.
-        gpu_ops.uses_cext(self.device)
+        self.checks = DeviceChecks(self.paged, backend, upload_numel=1 << 16)
 
     # -- store --------------------------------------------------------------------------------
 
     def store_sums(self, plan: StagingPlan, staging: torch.Tensor) -> StoreChecksums:
         """Enqueue the sums of every staged chunk (all layers) on the current stream."""
-        offsets = self._upload(
+        offsets = self.checks.upload(
             torch.tensor(_offsets([end - start for start, end, _ in plan.staged]))
         )
         sums = gpu_ops.checksum_chunks(staging, offsets, unit_bytes=plan.row_bytes)
-        return StoreChecksums(self._download(sums))
+        return StoreChecksums(self.checks.download(sums))
 
     # -- load ---------------------------------------------------------------------------------
 
@@ -152,17 +150,21 @@ class ChunkChecksums:
         )
         host_slots[~moved] = -1
         checksums = [chunks[i].checksum for i in positions]
-        dev = self._upload(pack_index(counts.tolist(), host_slots, checksums))
+        dev = self.checks.upload(pack_index(counts.tolist(), host_slots, checksums))
         return LoadIndex(positions, *split_index(dev, k, total), plan.row_bytes)
 
     def verified_scatter(self, index: LoadIndex, staging: torch.Tensor) -> LoadChecks:
         """Verify every staged chunk (all layers), then scatter the ones that matched; all on
         the current stream. ``staging`` holds exactly the staged chunks, all layers."""
-        sums = gpu_ops.checksum_chunks(staging, index.offsets, unit_bytes=index.row_bytes)
-        ok = match_sums(sums, index.expected)
-        slots = torch.where(ok[index.chunk_of], index.slots, -1)
-        gpu_ops.scatter_kv(self.paged, slots, index.offsets, staging)
-        return LoadChecks(index.positions, ok=self._download(ok))
+        return self.checks.verified_scatter(
+            index.positions,
+            staging,
+            index.offsets,
+            index.slots,
+            index.chunk_of,
+            index.expected,
+            index.row_bytes,
+        )
 
     def gather_span(
         self,
@@ -185,12 +187,12 @@ class ChunkChecksums:
 
     def new_sums(self, count: int) -> torch.Tensor:
         """A device tensor for the sums of ``count`` chunks (:meth:`gather_span` fills it)."""
-        return torch.empty(count, dtype=torch.int64, device=self.device)
+        return self.checks.new_sums(count)
 
     def sums_to_host(self, sums: torch.Tensor) -> StoreChecksums:
         """``sums`` as a store's checksums, their copy to the host enqueued on the current
         stream (readable with the store's bytes)."""
-        return StoreChecksums(self._download(sums))
+        return StoreChecksums(self.checks.download(sums))
 
     def gather_layers(
         self, index: LoadIndex, staging: torch.Tensor, sums: torch.Tensor, layers: range
@@ -211,36 +213,34 @@ class ChunkChecksums:
         """:meth:`verified_scatter` piece by piece: piece ``i`` (``spans[i]``, as in
         :meth:`gather_span`) is checked and scattered once event ``ready[i]`` (its copy into
         staging) has completed; on the current stream."""
-        k, rb = len(index.positions), index.row_bytes
-        ok = torch.empty(k, dtype=torch.bool, device=self.device)
+        rb = index.row_bytes
+        ok = torch.empty(len(index.positions), dtype=torch.bool, device=self.device)
         stream = self.backend.current_stream(self.device)
         for (a, b, ta, tb), event in zip(spans, ready, strict=True):
             self.backend.wait_event(stream, event)
-            offsets = index.offsets[a : b + 1] - ta
-            part = staging[ta * rb : tb * rb]
-            sums = gpu_ops.checksum_chunks(part, offsets, unit_bytes=rb)
-            good = match_sums(sums, index.expected.view(2, k)[:, a:b].reshape(-1))
-            ok[a:b] = good
-            slots = torch.where(good[index.chunk_of[ta:tb] - a], index.slots[ta:tb], -1)
-            gpu_ops.scatter_kv(self.paged, slots, offsets, part)
-        return LoadChecks(index.positions, ok=self._download(ok))
+            ok[a:b] = self.checks.scatter_matching(
+                staging[ta * rb : tb * rb],
+                index.offsets[a : b + 1] - ta,
+                index.slots[ta:tb],
+                index.chunk_of[ta:tb] - a,
+                DeviceChecks.piece_expected(index.expected, a, b),
+                rb,
+            )
+        return LoadChecks(index.positions, ok=self.checks.download(ok))
 
     def summed_scatter(
         self, index: LoadIndex, staging: torch.Tensor, layers: range, *, staging_full: bool
     ) -> LoadChecks:
         """Scatter ``layers`` of every staged chunk and return the sums of the bytes moved (the
         engine compares them once every layer has moved); on the current stream."""
-        sums = torch.empty(len(index.positions), dtype=torch.int64, device=self.device)
-        gpu_ops.scatter_kv(
-            self.paged,
-            index.slots,
-            index.offsets,
+        return self.checks.summed_scatter(
+            index.positions,
             staging,
-            checksums=sums,
-            layers=layers,
+            index.offsets,
+            index.slots,
+            layers,
             staging_full=staging_full,
         )
-        return LoadChecks(index.positions, sums=self._download(sums), layers=layers)
 
     # -- verify ahead of a load -----------------------------------------------------------------
 
@@ -292,22 +292,9 @@ class ChunkChecksums:
     ) -> torch.Tensor:
         """Enqueue: whether each byte range ``[bounds[i], bounds[i + 1])`` of ``data`` sums to
         ``expected[i]`` (a host tensor, readable once the stream's work completes)."""
-        dev = self._upload(torch.tensor([*bounds, *expected_sums(expected)], dtype=torch.int64))
+        dev = self.checks.upload(
+            torch.tensor([*bounds, *expected_sums(expected)], dtype=torch.int64)
+        )
         k = len(expected)
         sums = gpu_ops.checksum_chunks(data, dev[: k + 1])
-        return self._download(match_sums(sums, dev[k + 1 :]))
-
-    def _upload(self, host: torch.Tensor) -> torch.Tensor:
-        """``host`` on the device, through a reused page-locked buffer, without a host wait."""
-        if self.device.type == "cpu":
-            return host
-        return self.uploads.upload(host)
-
-    def _download(self, dev: torch.Tensor) -> torch.Tensor:
-        """A host copy of small ``dev``, enqueued on the current stream (read it after the
-        stream's work completes)."""
-        if self.device.type == "cpu":
-            return dev.clone()
-        host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
-        self.backend.copy(host, dev, self.backend.current_stream(self.device))
-        return host
+        return self.checks.download(match_sums(sums, dev[k + 1 :]))

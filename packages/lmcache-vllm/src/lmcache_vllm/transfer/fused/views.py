@@ -374,4 +374,4 @@ class FusedViews:
         self._fused_layers = None
         self._indices.close()
         if self._sums is not None:
-            self._sums.uploads.close()
+            self._sums.checks.close()
