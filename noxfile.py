@@ -8,7 +8,7 @@ The README's two commands:
 
 Other sessions: ``build`` (every package's wheel into ``dist/``), ``gpu`` (CUDA tests, skipped
 with a reason without a GPU) and ``bench`` (tier bandwidth, hit rate under eviction, TTFT).
-Every session installs what it needs itself. With ``LMCACHE_NOX_DROP_VENVS=1`` (``.ci/run``
+Every session installs what it needs itself. With ``LMC_DROP_VENVS=1`` (``.ci/run``
 sets it) each test session deletes its venv once it passed. Why the engine sessions look the
 way they do:
 
@@ -64,11 +64,11 @@ def _editable(*packages: str) -> list[str]:
 
 
 def _drop_venv(session: nox.Session) -> None:
-    """With ``LMCACHE_NOX_DROP_VENVS=1`` (``.ci/run`` sets it), delete a passed session's venv.
+    """With ``LMC_DROP_VENVS=1`` (``.ci/run`` sets it), delete a passed session's venv.
 
     A fresh CI machine's disk may not hold every engine venv at once (SGLang's alone is ~6 GB).
     """
-    if os.environ.get("LMCACHE_NOX_DROP_VENVS") == "1":
+    if os.environ.get("LMC_DROP_VENVS") == "1":
         shutil.rmtree(session.virtualenv.location, ignore_errors=True)
 
 
