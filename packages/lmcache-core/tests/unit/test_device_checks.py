@@ -8,6 +8,8 @@ bit; a chunk whose sum does not match must leave every one of its slots poisoned
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -26,7 +28,15 @@ def _pages(seed: int) -> list[torch.Tensor]:
     return [torch.randn(PAGES, HEADS, PAGE, 2 * HEAD, generator=g) for _ in range(LAYERS)]
 
 
-def _setup(bad: set[int]) -> tuple[DeviceChecks, list[torch.Tensor], torch.Tensor, tuple]:
+class Index(NamedTuple):
+    positions: list[int]
+    offsets: torch.Tensor
+    slots: torch.Tensor
+    chunk_of: torch.Tensor
+    expected: torch.Tensor
+
+
+def _setup(bad: set[int]) -> tuple[DeviceChecks, list[torch.Tensor], torch.Tensor, Index]:
     """Checks over fresh pages, the chunks gathered into staging with their true sums (those of
     the chunks in ``bad`` altered), and the packed index."""
     layers = _pages(0)
@@ -41,18 +51,19 @@ def _setup(bad: set[int]) -> tuple[DeviceChecks, list[torch.Tensor], torch.Tenso
     stored = [int(s) for s in sums]
     for c in bad:
         stored[c] ^= 1
-    index = split_index(pack_index(COUNTS, slots, stored), len(COUNTS), total)
-    return checks, layers, staging, index
+    parts = split_index(pack_index(COUNTS, slots, stored), len(COUNTS), total)
+    return checks, layers, staging, Index([0, 1, 2], *parts)
 
 
 @pytest.mark.parametrize("bad", [set(), {1}, {0, 2}])
 def test_only_matching_chunks_reach_the_pages(bad: set[int]) -> None:
-    checks, layers, staging, (offsets, slots, chunk_of, expected) = _setup(bad)
+    checks, layers, staging, index = _setup(bad)
+    offsets, slots = index.offsets, index.slots
     want = [t.clone() for t in layers]
     for t in layers:
         t.fill_(float("nan"))
     row = LAYERS * checks.paged.kv_width * 4
-    got = checks.verified_scatter([0, 1, 2], staging, offsets, slots, chunk_of, expected, row)
+    got = checks.verified_scatter(index, staging, row)
     assert got.ok() == [c not in bad for c in range(len(COUNTS))]
     flat = [t.transpose(1, 2).reshape(PAGES * PAGE, -1) for t in layers]
     ref = [t.transpose(1, 2).reshape(PAGES * PAGE, -1) for t in want]
@@ -69,7 +80,7 @@ def test_only_matching_chunks_reach_the_pages(bad: set[int]) -> None:
 
 
 def test_pieces_check_like_the_whole() -> None:
-    checks, _layers, staging, (offsets, slots, chunk_of, expected) = _setup({1})
+    checks, _layers, staging, (_, offsets, slots, chunk_of, expected) = _setup({1})
     row = LAYERS * checks.paged.kv_width * 4
     whole = checks.scatter_matching(staging, offsets, slots, chunk_of, expected, row)
     a, b = 1, 3  # chunks 1 and 2, from their first staging token on
@@ -91,12 +102,10 @@ def test_pieces_check_like_the_whole() -> None:
 
 
 def test_summed_scatters_add_up_to_each_chunks_checksum() -> None:
-    checks, _layers, staging, (offsets, slots, _chunk_of, _) = _setup(set())
+    checks, _layers, staging, index = _setup(set())
+    offsets = index.offsets
     width = checks.paged.kv_width
-    parts = [
-        checks.summed_scatter([0, 1, 2], staging, offsets, slots, r, staging_full=True)
-        for r in (range(0, 1), range(1, 3))
-    ]
+    parts = [checks.summed_scatter(index, staging, r, True) for r in (range(0, 1), range(1, 3))]
     assert [p.layers for p in parts] == [range(0, 1), range(1, 3)]
     for c, n in enumerate(COUNTS):  # reference: the chunk's staged bytes, hashed on the host
         start = int(offsets[c]) * LAYERS * width
@@ -106,7 +115,7 @@ def test_summed_scatters_add_up_to_each_chunks_checksum() -> None:
 
 
 def test_expected_sums_without_a_stored_sum_always_match() -> None:
-    checks, _layers, staging, (offsets, slots, chunk_of, _) = _setup(set())
+    checks, _layers, staging, (_, offsets, slots, chunk_of, _) = _setup(set())
     row = LAYERS * checks.paged.kv_width * 4
     none = torch.tensor(expected_sums([None, None, None]))
     ok = checks.scatter_matching(staging, offsets, slots, chunk_of, none, row)

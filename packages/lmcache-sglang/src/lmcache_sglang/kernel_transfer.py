@@ -191,23 +191,13 @@ class KernelTransfer:
             gpu_ops.scatter_kv(self.paged, index.slots, index.offsets, staging, layers=layers)
             return None
         if len(layers) == self.num_layers:
-            return self.checks.verified_scatter(
-                index.positions,
-                staging,
-                index.offsets,
-                index.slots,
-                index.chunk_of,
-                index.expected,
-                self.num_layers * self.kv_width * self.element_size,
-                layers,
-            )
+            row_bytes = self.num_layers * self.kv_width * self.element_size
+            return self.checks.verified_scatter(index, staging, row_bytes, layers)
         if (self.kv_width * self.element_size) % 8:
             # the kernels sum a layer range only over whole 64-bit words: the engine hashes
             gpu_ops.scatter_kv(self.paged, index.slots, index.offsets, staging, layers=layers)
             return None
-        return self.checks.summed_scatter(
-            index.positions, staging, index.offsets, index.slots, layers
-        )
+        return self.checks.summed_scatter(index, staging, layers)
 
     # -- buffers ------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ Everything is enqueued on the current stream; nothing here waits for the device.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -28,7 +28,32 @@ from lmcache.gpu_connector.checksums import LoadChecks, match_sums
 if TYPE_CHECKING:
     from lmcache.devices import DeviceBackend
 
-__all__ = ["DeviceChecks"]
+__all__ = ["DeviceChecks", "StagedChunks"]
+
+
+class StagedChunks(Protocol):
+    """A kernel transfer's device index of its ``k`` staged chunks
+    (:func:`~lmcache.gpu_connector.checksums.split_index` of one upload)."""
+
+    @property
+    def positions(self) -> list[int]:
+        """Position of each staged chunk in the call's chunk list."""
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """``[k + 1]`` staging token offset of each chunk."""
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """``[tokens]`` engine slot of each staging token; ``-1`` is never written."""
+
+    @property
+    def chunk_of(self) -> torch.Tensor:
+        """``[tokens]`` chunk (``0..k-1``) of each staging token."""
+
+    @property
+    def expected(self) -> torch.Tensor:
+        """``[2 * k]`` :func:`~lmcache.gpu_connector.checksums.expected_sums` of the chunks."""
 
 
 class DeviceChecks:
@@ -105,43 +130,36 @@ class DeviceChecks:
 
     def verified_scatter(
         self,
-        positions: list[int],
+        index: StagedChunks,
         staging: torch.Tensor,
-        offsets: torch.Tensor,
-        slots: torch.Tensor,
-        chunk_of: torch.Tensor,
-        expected: torch.Tensor,
         unit_bytes: int,
         layers: range | None = None,
     ) -> LoadChecks:
-        """:meth:`scatter_matching`, with the verdicts downloaded as the load's checks of the
-        call's chunks ``positions``."""
-        ok = self.scatter_matching(staging, offsets, slots, chunk_of, expected, unit_bytes, layers)
-        return LoadChecks(positions, ok=self.download(ok))
+        """:meth:`scatter_matching` of every chunk of ``index``, the verdicts downloaded as the
+        load's checks."""
+        i = index
+        ok = self.scatter_matching(
+            staging, i.offsets, i.slots, i.chunk_of, i.expected, unit_bytes, layers
+        )
+        return LoadChecks(i.positions, ok=self.download(ok))
 
     def summed_scatter(
-        self,
-        positions: list[int],
-        staging: torch.Tensor,
-        offsets: torch.Tensor,
-        slots: torch.Tensor,
-        layers: range,
-        staging_full: bool = False,
+        self, index: StagedChunks, staging: torch.Tensor, layers: range, staging_full: bool = False
     ) -> LoadChecks:
         """Scatter ``layers`` of the staged chunks and return the sums of the bytes moved; on the
         current stream. The engine adds the calls' sums up and compares them once every layer
         has moved."""
-        sums = self.new_sums(len(positions))
+        sums = self.new_sums(len(index.positions))
         gpu_ops.scatter_kv(
             self.paged,
-            slots,
-            offsets,
+            index.slots,
+            index.offsets,
             staging,
             checksums=sums,
             layers=layers,
             staging_full=staging_full,
         )
-        return LoadChecks(positions, sums=self.download(sums), layers=layers)
+        return LoadChecks(index.positions, sums=self.download(sums), layers=layers)
 
     def close(self) -> None:
         """Wait for the uploads still queued: none may read a freed buffer."""

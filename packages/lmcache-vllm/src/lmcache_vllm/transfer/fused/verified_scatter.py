@@ -156,15 +156,7 @@ class ChunkChecksums:
     def verified_scatter(self, index: LoadIndex, staging: torch.Tensor) -> LoadChecks:
         """Verify every staged chunk (all layers), then scatter the ones that matched; all on
         the current stream. ``staging`` holds exactly the staged chunks, all layers."""
-        return self.checks.verified_scatter(
-            index.positions,
-            staging,
-            index.offsets,
-            index.slots,
-            index.chunk_of,
-            index.expected,
-            index.row_bytes,
-        )
+        return self.checks.verified_scatter(index, staging, index.row_bytes)
 
     def gather_span(
         self,
@@ -233,14 +225,7 @@ class ChunkChecksums:
     ) -> LoadChecks:
         """Scatter ``layers`` of every staged chunk and return the sums of the bytes moved (the
         engine compares them once every layer has moved); on the current stream."""
-        return self.checks.summed_scatter(
-            index.positions,
-            staging,
-            index.offsets,
-            index.slots,
-            layers,
-            staging_full=staging_full,
-        )
+        return self.checks.summed_scatter(index, staging, layers, staging_full=staging_full)
 
     # -- verify ahead of a load -----------------------------------------------------------------
 
