@@ -386,7 +386,7 @@ def gpu(session: nox.Session) -> None:
 
     The GPU unit tests (``-m gpu``) of lmcache-core, lmcache-vllm and lmcache-sglang, then the
     real-engine tests of each engine whose offline bundle (``tools/gpu_engines/build_bundle.sh``)
-    is in ``.eng``/``.eng-sgl`` or ``LMCACHE_GPU_BUNDLES``: real vLLM (store -> reset -> hit,
+    is in ``.eng``/``.eng-sgl`` or ``LMC_GPU_BUNDLES``: real vLLM (store -> reset -> hit,
     output identical to vLLM alone) with the vLLM bundle on ``PYTHONPATH``, real SGLang with the
     SGLang one; an engine without a bundle is skipped with a line saying so. Our packages are
     installed editable (``--no-deps``, no network) when not importable. ``nox -s gpu -- ARGS``
@@ -418,7 +418,7 @@ def gpu(session: nox.Session) -> None:
     for engine in ("vllm", "sglang"):
         if engine not in bundles:
             session.log(
-                f"{engine}: no bundle in {os.environ.get('LMCACHE_GPU_BUNDLES') or GPU_BUNDLE_DIRS}"
+                f"{engine}: no bundle in {os.environ.get('LMC_GPU_BUNDLES') or GPU_BUNDLE_DIRS}"
                 f"; its real-engine tests are skipped (tools/gpu_engines/README.md builds one)"
             )
     unit = ["packages/lmcache-core/tests", "packages/lmcache-vllm/tests/unit"]

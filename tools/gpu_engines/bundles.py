@@ -2,7 +2,7 @@
 """Engine bundles for ``nox -s gpu`` on an offline CUDA machine.
 
 ``build_bundle.sh`` writes each bundle as a folder of ``*.tar.xz`` site-packages trees. They are
-looked for in ``.eng`` and ``.eng-sgl``, or in the folders ``LMCACHE_GPU_BUNDLES`` lists
+looked for in ``.eng`` and ``.eng-sgl``, or in the folders ``LMC_GPU_BUNDLES`` lists
 (``os.pathsep``-separated). Each is unpacked once into its own site folder, which goes first on
 ``PYTHONPATH`` for that engine's tests.
 """
@@ -25,7 +25,7 @@ def gpu_bundles(root: pathlib.Path = pathlib.Path(".")) -> dict[str, pathlib.Pat
     A bundle is a folder holding ``vllm-*.tar.xz`` (or ``vllm-nofa-*``) or ``sglang-*.tar.xz``
     beside its ``deps.tar.xz``, as ``build_bundle.sh`` writes it.
     """
-    listed = os.environ.get("LMCACHE_GPU_BUNDLES")
+    listed = os.environ.get("LMC_GPU_BUNDLES")
     folders = listed.split(os.pathsep) if listed else GPU_BUNDLE_DIRS
     found: dict[str, pathlib.Path] = {}
     for folder in filter(None, folders):

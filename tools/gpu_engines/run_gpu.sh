@@ -1,7 +1,7 @@
 #!/bin/bash
 # Everything the GPU machine checks, in one command from the repository root (README.md here):
 #   tools/gpu_engines/run_gpu.sh [--quick]
-# Installs nox from the carried wheels ($LMCACHE_NOX_WHEELS, default .eng/nox-wheels) and our
+# Installs nox from the carried wheels ($LMC_NOX_WHEELS, default .eng/nox-wheels) and our
 # packages (editable, --no-deps, no network), runs `nox -s gpu` (GPU unit tests; real vLLM and
 # SGLang from the bundles in .eng / .eng-sgl), then benchmarks/gpu_transfer.py and
 # benchmarks/vllm_gpu.py, and prints the test summary and both tables last. Each step is cut
@@ -17,7 +17,7 @@ DEADLINE=${LMC_DEADLINE_S:-570}
 XFER_S=${LMC_TRANSFER_S:-75}
 VLLM_S=${LMC_VLLM_S:-$([ ${#QUICK[@]} -gt 0 ] && echo 120 || echo 210)}
 python3 -m nox --version >/dev/null 2>&1 ||
-  python3 -m pip install -q --no-index --find-links "${LMCACHE_NOX_WHEELS:-.eng/nox-wheels}" nox ||
+  python3 -m pip install -q --no-index --find-links "${LMC_NOX_WHEELS:-.eng/nox-wheels}" nox ||
   exit 1
 python3 -m pip install -q --no-build-isolation --no-deps \
   -e packages/lmcache-core -e packages/lmcache-vllm -e packages/lmcache-sglang || exit 1

@@ -8,4 +8,4 @@ BUNDLE=$(realpath "${1:?usage: $0 BUNDLE_DIR [PYTEST_ARGS...]}"); shift
 cd "$(dirname "$0")/../.."
 python3 -m nox --version >/dev/null 2>&1 ||
   python3 -m pip install -q --no-index --find-links "$BUNDLE/nox-wheels" nox
-LMCACHE_GPU_BUNDLES=$BUNDLE exec python3 -m nox -s gpu -- "$@"
+LMC_GPU_BUNDLES=$BUNDLE exec python3 -m nox -s gpu -- "$@"

@@ -75,6 +75,7 @@ NON_CONFIG_ENV_VARS: frozenset[str] = frozenset(
         "LMCACHE_DISABLE_MEMCPY_BATCH",
         "LMCACHE_LOG_LEVEL",
         "LMCACHE_REMOTE_PASSWORD",
+        "LMCACHE_REDIS_SERVER",  # the redis-server binary of lmcache.testing.redis_server
     }
 )
 """``LMCACHE_*`` environment variables that belong to lmcache but are not config keys."""
