@@ -137,11 +137,10 @@ class DeviceChecks:
     ) -> LoadChecks:
         """:meth:`scatter_matching` of every chunk of ``index``, the verdicts downloaded as the
         load's checks."""
-        i = index
         ok = self.scatter_matching(
-            staging, i.offsets, i.slots, i.chunk_of, i.expected, unit_bytes, layers
+            staging, index.offsets, index.slots, index.chunk_of, index.expected, unit_bytes, layers
         )
-        return LoadChecks(i.positions, ok=self.download(ok))
+        return LoadChecks(index.positions, ok=self.download(ok))
 
     def summed_scatter(
         self, index: StagedChunks, staging: torch.Tensor, layers: range, staging_full: bool = False
