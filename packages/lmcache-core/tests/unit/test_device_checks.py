@@ -15,7 +15,13 @@ import torch
 
 from lmcache import gpu_ops
 from lmcache.devices import get_backend
-from lmcache.gpu_connector.checksums import expected_sums, pack_index, split_index
+from lmcache.gpu_connector.checksums import (
+    expected_part,
+    expected_sums,
+    pack_index,
+    split_index,
+    staged_tokens,
+)
 from lmcache.gpu_connector.device_checks import DeviceChecks
 from lmcache.gpu_ops import chunk_checksum
 
@@ -90,12 +96,12 @@ def test_pieces_check_like_the_whole() -> None:
         offsets[a : b + 1] - ta,
         slots[ta:tb],
         chunk_of[ta:tb] - a,
-        DeviceChecks.piece_expected(expected, a, b),
+        expected_part(expected, a, b),
         row,
     )
     assert whole.tolist() == [True, False, True]
     assert part.tolist() == whole[a:b].tolist()
-    assert DeviceChecks.piece_expected(expected, a, b).tolist() == [
+    assert expected_part(expected, a, b).tolist() == [
         *expected[a:b].tolist(),
         *expected[3 + a : 3 + b].tolist(),
     ]
@@ -120,3 +126,21 @@ def test_expected_sums_without_a_stored_sum_always_match() -> None:
     none = torch.tensor(expected_sums([None, None, None]))
     ok = checks.scatter_matching(staging, offsets, slots, chunk_of, none, row)
     assert ok.all()
+
+
+@pytest.mark.parametrize("skip", [0, 3, 8, 13, 21])
+@pytest.mark.parametrize("gap", [False, True])
+def test_staged_tokens_match_a_token_by_token_reference(skip: int, gap: bool) -> None:
+    from types import SimpleNamespace
+
+    bounds = [(0, 8), (8, 16), (16, 21)] if not gap else [(0, 8), (16, 24), (24, 29)]
+    chunks = [SimpleNamespace(start=a, end=b) for a, b in bounds]
+    mapping = torch.randperm(40, generator=torch.Generator().manual_seed(2))
+    positions, counts, tokens, slots = staged_tokens(chunks, mapping, skip)
+    want = [i for i, (a, b) in enumerate(bounds) if b > skip]
+    ref_tokens = [t for i in want for t in range(*bounds[i])]
+    assert positions == want
+    assert counts.tolist() == [bounds[i][1] - bounds[i][0] for i in want]
+    assert tokens.tolist() == ref_tokens
+    assert slots.tolist() == [int(mapping[t]) if t >= skip else -1 for t in ref_tokens]
+    assert sorted(mapping.tolist()) == list(range(40))  # the caller's mapping is not written

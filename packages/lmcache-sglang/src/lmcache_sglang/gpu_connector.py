@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcache.devices import DeviceBackend, get_backend
-from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums
+from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums, staged_tokens
 from lmcache.gpu_connector.interface import ChunkTransfer, EngineInfo, KVLayoutError, TransferSpec
 from lmcache.gpu_connector.layer_range import LayerRangeConnector, engine_selector, moved_tokens
 from lmcache_sglang.kernel_transfer import KernelTransfer, paged_kv
@@ -243,15 +243,10 @@ class SGLangKVConnector(LayerRangeConnector):
     ) -> tuple[list[int], torch.Tensor]:
         """``(positions, host slots)`` of the kernel path: the chunks with a token from ``skip``
         on, and the slot of each of their tokens, ``-1`` for those before ``skip`` (checked)."""
-        positions = [i for i, c in enumerate(chunks) if c.end > skip]
-        if not positions:
-            return [], torch.empty(0, dtype=torch.int64)
-        idx = torch.cat([torch.arange(chunks[i].start, chunks[i].end) for i in positions])
-        slots = transfer.slot_mapping.to("cpu", torch.int64)[idx]
-        held = idx < skip
-        self._check_slots(idx[~held], slots[~held])
-        slots[held] = -1
-        return positions, slots
+        positions, _, tokens, slots = staged_tokens(chunks, transfer.slot_mapping, skip)
+        moved = tokens >= skip
+        self._check_slots(torch.from_numpy(tokens[moved]), torch.from_numpy(slots[moved]))
+        return positions, torch.from_numpy(slots)
 
     def _check_slots(self, idx: torch.Tensor, slots: torch.Tensor) -> None:
         """Refuse slots of moved tokens (request indices ``idx``) outside the pool."""

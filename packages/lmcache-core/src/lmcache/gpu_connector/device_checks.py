@@ -163,10 +163,3 @@ class DeviceChecks:
     def close(self) -> None:
         """Wait for the uploads still queued: none may read a freed buffer."""
         self.uploads.close()
-
-    @staticmethod
-    def piece_expected(expected: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        """The :func:`~lmcache.gpu_connector.checksums.expected_sums` of chunks ``[a, b)`` out of
-        ``expected``, the packed sums of all of them."""
-        k = expected.numel() // 2
-        return expected.view(2, k)[:, a:b].reshape(-1)

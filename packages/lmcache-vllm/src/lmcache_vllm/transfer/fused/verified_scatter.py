@@ -29,17 +29,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from lmcache import gpu_ops
 from lmcache.gpu_connector.checksums import (
     LoadChecks,
     StoreChecksums,
+    expected_part,
     expected_sums,
     match_sums,
     pack_index,
     split_index,
+    staged_tokens,
 )
 from lmcache.gpu_connector.device_checks import DeviceChecks
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
@@ -116,41 +117,18 @@ class ChunkChecksums:
     ) -> LoadIndex:
         """The device tensors of a load of ``plan``'s staged chunks (one upload, no wait).
 
-        Built with numpy over all tokens at once: a 16k-token request is 64 chunks, and a
-        loop of small torch ops per chunk cost milliseconds of the transfer's time.
+        The tokens and slots come from :func:`~lmcache.gpu_connector.checksums.staged_tokens`.
         """
         skip = transfer.skip_tokens
-        positions: list[int] = []
-        bounds: list[tuple[int, int, int]] = []  # (start, end, first moved token) per chunk
-        for i, c in enumerate(chunks):
-            t0 = min(max(skip - c.start, 0), c.num_tokens)
-            if t0 >= c.num_tokens:
-                continue  # the engine holds all of it: not staged
-            positions.append(i)
-            bounds.append((c.start, c.end, t0))
-        k = len(positions)
-        spans = np.array(bounds, dtype=np.int64).reshape(k, 3)
-        starts, counts, firsts = spans[:, 0], spans[:, 1] - spans[:, 0], spans[:, 2]
-        offsets = np.zeros(k + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        total = int(offsets[-1])
-        chunk_of = np.repeat(np.arange(k, dtype=np.int64), counts)
-        local = np.arange(total, dtype=np.int64) - offsets[:-1][chunk_of]  # token in its chunk
-        tokens = starts[chunk_of] + local  # request token index of every staging token
-        moved = local >= firsts[chunk_of]  # tokens the engine holds are never written
-        sm = transfer.slot_mapping
-        if k and bool(np.all(starts[1:] == spans[:-1, 1])):  # consecutive chunks: one slice
-            host_slots = sm[int(starts[0]) : int(spans[-1, 1])].to("cpu", torch.int64).numpy()
-        else:
-            host_slots = sm.to("cpu", torch.int64).numpy()[tokens]
-        host_slots = host_slots.copy()
+        positions, counts, tokens, host_slots = staged_tokens(chunks, transfer.slot_mapping, skip)
+        moved = tokens >= skip
         # the kernels skip a slot outside the cache without a word: refuse one here
         self.cache.check_slots(
             torch.from_numpy(host_slots[moved]), lambda: torch.from_numpy(tokens[moved])
         )
-        host_slots[~moved] = -1
         checksums = [chunks[i].checksum for i in positions]
         dev = self.checks.upload(pack_index(counts.tolist(), host_slots, checksums))
+        k, total = len(positions), int(counts.sum())
         return LoadIndex(positions, *split_index(dev, k, total), plan.row_bytes)
 
     def verified_scatter(self, index: LoadIndex, staging: torch.Tensor) -> LoadChecks:
@@ -215,7 +193,7 @@ class ChunkChecksums:
                 index.offsets[a : b + 1] - ta,
                 index.slots[ta:tb],
                 index.chunk_of[ta:tb] - a,
-                DeviceChecks.piece_expected(index.expected, a, b),
+                expected_part(index.expected, a, b),
                 rb,
             )
         return LoadChecks(index.positions, ok=self.checks.download(ok))
