@@ -51,6 +51,17 @@ CORE_DEPS = [
     "numpy>=1.24",
 ]
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3"]
+# What `nox -s build` compiles csrc/ with: the registry's CUDA 13.0 compiler, its headers and
+# static runtime (no system toolkit, no GPU), against torch's stable ABI (headers of CORE_TORCH).
+KERNEL_BUILD_DEPS = [
+    "nvidia-cuda-nvcc==13.0.88",
+    "nvidia-cuda-crt==13.0.88",
+    "nvidia-nvvm==13.0.88",
+    "nvidia-cuda-runtime==13.0.96",
+    "setuptools>=77",
+    "wheel",
+]
+CUOBJDUMP = "nvidia-cuda-cuobjdump==13.2.86"  # lists the GPU code a library holds
 # The Redis/Valkey tier's client (lmcache-core's [redis] extra); its tests start a real
 # redis-server, which `.ci/run` installs (skipped with the reason where none is on PATH).
 REDIS_DEPS = ["redis>=5.0", "hiredis>=3.0"]
@@ -124,18 +135,64 @@ def core(session: nox.Session) -> None:
     _drop_venv(session)
 
 
-def _build_wheels(session: nox.Session) -> None:
+def _build_wheels(session: nox.Session, torch: str | None = CORE_TORCH) -> None:
+    """Every package's wheel into ``dist/``; lmcache-core's with the compiled kernels.
+
+    The kernels are built without build isolation, against this venv's torch (its stable-ABI
+    headers) and the registry's CUDA compiler; ``LMCACHE_CUDA_ARCHS`` picks the architectures
+    (default: sm_75 to sm_120 plus PTX). The other packages are pure Python. ``torch=None``
+    builds against the torch already in the venv.
+    """
     shutil.rmtree("dist", ignore_errors=True)
-    session.install("pip>=24")
+    session.install("pip>=24", *([torch] if torch else []), *KERNEL_BUILD_DEPS)
     session.run(
-        "pip", "wheel", "--no-deps", "--wheel-dir", "dist", *[f"packages/{p}" for p in PACKAGES]
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--wheel-dir",
+        "dist",
+        "packages/lmcache-core",
+        env={"LMCACHE_BUILD_KERNELS": "1"},
     )
+    others = [f"packages/{p}" for p in PACKAGES if p != "lmcache-core"]
+    session.run("pip", "wheel", "--no-deps", "--wheel-dir", "dist", *others)
+
+
+def _core_wheel() -> str:
+    """The binary lmcache-core wheel in ``dist/``."""
+    found = sorted(pathlib.Path("dist").glob("lmcache_core-*-py3-none-manylinux_*_x86_64.whl"))
+    if len(found) != 1:
+        raise ValueError(f"expected one binary lmcache-core wheel in dist/, found {found}")
+    return str(found[0])
+
+
+def _check_core_wheel(session: nox.Session, archs: bool) -> None:
+    """The binary wheel loads with this venv's torch; with ``archs``, cuobjdump finds the code
+    for every architecture it lists (``tools/check_kernel_wheel.py``)."""
+    wheel = _core_wheel()
+    if archs:
+        session.install(CUOBJDUMP)
+        bindir = session.run(
+            "python",
+            "-c",
+            "import nvidia, pathlib; print(pathlib.Path(nvidia.__path__[0]))",
+            silent=True,
+        )
+        cuobjdump = str(pathlib.Path(str(bindir).strip()) / "cu13" / "bin" / "cuobjdump")
+        session.run("python", "tools/check_kernel_wheel.py", "archs", wheel, cuobjdump)
+    session.run("python", "tools/check_kernel_wheel.py", "load", wheel)
 
 
 @nox.session(python=PYTHON)
 def build(session: nox.Session) -> None:
-    """Build every package's wheel into ``dist/`` (``pip install --find-links dist ...``)."""
+    """Every package's wheel into ``dist/``; lmcache-core's holds the CUDA kernels.
+
+    Needs no GPU and no system CUDA toolkit: nvcc comes from the package registry.
+    """
     _build_wheels(session)
+    session.install(*CORE_DEPS)  # what `import lmcache` needs, for the load check
+    _check_core_wheel(session, archs=True)
 
 
 def readme_install_lines(readme: str = "README.md") -> list[list[str]]:
@@ -175,6 +232,7 @@ def install(session: nox.Session) -> None:
     checks: our packages import, every connector's entry point is registered, no engine came along.
     """
     _build_wheels(session)
+    _check_core_wheel(session, archs=True)
     lines = readme_install_lines()
     vllm_line = _pip_line(lines, "install", "./dist/lmcache_vllm-0.1.0-py3-none-any.whl")
     engine_lines = [
@@ -297,6 +355,10 @@ def sglang(session: nox.Session) -> None:
     # From the repository root: no folder there is named like the plug-in (SGLang's spawned
     # scheduler puts the launching script's folder first on sys.path).
     session.run("pytest", "packages/lmcache-sglang/tests", "-q", "--timeout=900", *session.posargs)
+    # The binary wheel loads with this torch too (2.14.1, against 2.13 in `install`).
+    if not list(pathlib.Path("dist").glob("lmcache_core-*manylinux*.whl")):
+        _build_wheels(session, torch=None)
+    _check_core_wheel(session, archs=False)
     _drop_venv(session)
 
 

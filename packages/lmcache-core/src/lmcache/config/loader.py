@@ -72,6 +72,9 @@ NON_CONFIG_ENV_VARS: frozenset[str] = frozenset(
         "LMCACHE_PLUGIN_AUTOLOAD",
         "LMCACHE_REQUIRE_CEXT",
         "LMCACHE_DISABLE_CEXT",
+        "LMCACHE_JIT",  # build the kernels from their sources on this machine
+        "LMCACHE_BUILD_KERNELS",  # setup.py: compile the kernels into the wheel
+        "LMCACHE_CUDA_ARCHS",  # setup.py: the architectures compiled in
         "LMCACHE_DISABLE_MEMCPY_BATCH",
         "LMCACHE_LOG_LEVEL",
         "LMCACHE_REMOTE_PASSWORD",

@@ -217,6 +217,21 @@ class CudaBackend(DeviceBackend):
         """Compute capabilities of the visible devices."""
         return {torch.cuda.get_device_capability(i) for i in range(self.device_count())}
 
+    def driver_version(self) -> int:
+        """The CUDA version the NVIDIA driver supports (``cudaDriverGetVersion``, e.g. 13000);
+        0 when no driver or runtime is found."""
+        rt = cudart()
+        if rt is None:
+            return 0
+        version = ctypes.c_int(0)
+        try:
+            fn = rt.lib.cudaDriverGetVersion
+        except AttributeError:
+            return 0
+        fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        fn.restype = ctypes.c_int
+        return int(version.value) if fn(ctypes.byref(version)) == 0 else 0
+
     # -- streams and events ------------------------------------------------------------------
 
     def current_stream(self, device: torch.device) -> Any:

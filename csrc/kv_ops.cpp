@@ -1,17 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
-// Host side of the lmcache ops: every input checked with TORCH_CHECK (what was expected, what
-// was found), launch parameters built, kernels launched on the current stream.
-#include <ATen/ATen.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
+// Host side of the lmcache ops: every input checked (what was expected, what was found), launch
+// parameters built, kernels launched on torch's current stream. Written against torch's stable
+// ABI only (torch/csrc/stable, torch/headeronly), so one binary loads with every torch >= 2.11.
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
-#include <type_traits>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kv_copy_params.h"
 #include "ops.h"
@@ -19,19 +18,24 @@
 namespace lmcache {
 namespace {
 
-// Error messages are built here as one std::string, without iostreams: c10::str (what
-// TORCH_CHECK does with several arguments) streams numbers through a std::ostringstream compiled
-// into this library, and that crashed (SIGSEGV in std::ostream::_M_insert<long>) in a JIT build
-// on torch 2.11 + GCC 13. One string argument takes c10's path that streams nothing.
+// Error messages are built here as one std::string, without iostreams: streaming numbers through
+// a std::ostringstream compiled into this library crashed (SIGSEGV in
+// std::ostream::_M_insert<long>) in a build on torch 2.11 + GCC 13. The exception type is
+// std::runtime_error, which torch raises in Python as RuntimeError.
+using torch::headeronly::ScalarType;
+
 std::string piece(const char* s) { return s; }
 std::string piece(const std::string& s) { return s; }
 template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
 std::string piece(T v) {
   return std::to_string(v);
 }
-std::string piece(c10::ScalarType t) { return c10::toString(t); }
-std::string piece(const c10::Device& d) { return d.str(); }
-std::string piece(c10::IntArrayRef a) {
+std::string piece(ScalarType t) { return torch::headeronly::toString(t); }
+std::string piece(const torch::stable::Device& d) {
+  return std::string(d.is_cuda() ? "cuda:" : d.is_cpu() ? "cpu:" : "device:") +
+         std::to_string(d.index());
+}
+std::string piece(torch::headeronly::IntHeaderOnlyArrayRef a) {
   std::string out = "[";
   for (size_t i = 0; i < a.size(); ++i) out += (i ? ", " : "") + std::to_string(a[i]);
   return out + "]";
@@ -44,9 +48,19 @@ std::string msg(const Args&... args) {
   return out;
 }
 
-#define LMC_CHECK(cond, ...) TORCH_CHECK(cond, ::lmcache::msg(__VA_ARGS__))
+#define LMC_CHECK(cond, ...)                                                    \
+  do {                                                                         \
+    if (!(cond)) throw std::runtime_error(::lmcache::msg(__VA_ARGS__));        \
+  } while (0)
 
-std::string describe(const at::Tensor& t) {
+#define LMC_CUDA_CHECK(expr)                                                               \
+  do {                                                                                      \
+    const cudaError_t err_ = (expr);                                                        \
+    LMC_CHECK(err_ == cudaSuccess, "lmcache: CUDA error ", cudaGetErrorName(err_), " (",    \
+              cudaGetErrorString(err_), ") at ", __FILE__, ":", __LINE__, " in ", #expr); \
+  } while (0)
+
+std::string describe(const Tensor& t) {
   return msg("shape ", t.sizes(), " strides ", t.strides(), " ", t.scalar_type(), " on ",
              t.device());
 }
@@ -58,19 +72,19 @@ int log2_or_minus1(int64_t x) {
   return s;
 }
 
-void check_index_tensor(const char* op, const char* name, const at::Tensor& t,
-                        const at::Device& device) {
-  LMC_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous(), op,
+void check_index_tensor(const char* op, const char* name, const Tensor& t,
+                        const torch::stable::Device& device) {
+  LMC_CHECK(t.scalar_type() == ScalarType::Long && t.dim() == 1 && t.is_contiguous(), op,
               ": expected ", name, " as a contiguous 1-D int64 tensor, found ", describe(t));
   LMC_CHECK(t.device() == device, op, ": expected ", name, " on ", device, " (the staging's ",
               "device), found ", t.device());
 }
 
 // Checks the layer views of one list; returns false when the list is empty.
-void check_layers(const char* op, const char* name, at::TensorList layers,
-                  const at::Device& device) {
+void check_layers(const char* op, const char* name, const std::vector<Tensor>& layers,
+                  const torch::stable::Device& device) {
   for (size_t i = 0; i < layers.size(); ++i) {
-    const at::Tensor& t = layers[i];
+    const Tensor& t = layers[i];
     LMC_CHECK(t.is_cuda(), op, ": expected ", name, "[", i, "] in CUDA device memory, found ",
                 describe(t), " (host memory moves by DMA: copy it to the device first)");
     LMC_CHECK(t.device() == device, op, ": expected ", name, "[", i, "] on ", device,
@@ -84,7 +98,7 @@ void check_layers(const char* op, const char* name, at::TensorList layers,
                   "[", i, "], found ", describe(t));
     }
     if (i > 0) {
-      const at::Tensor& f = layers[0];
+      const Tensor& f = layers[0];
       LMC_CHECK(t.sizes() == f.sizes() && t.strides() == f.strides() &&
                       t.scalar_type() == f.scalar_type(),
                   op, ": expected every layer of ", name, " like ", name, "[0] (", describe(f),
@@ -95,14 +109,45 @@ void check_layers(const char* op, const char* name, at::TensorList layers,
 
 int64_t fold_align(int64_t g, int64_t x) { return std::gcd(g, x); }
 
-int device_sms(const at::Device& device) {
+int device_sms(const torch::stable::Device& device) {
   int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device.index()));
+  LMC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device.index()));
   return sms;
+}
+
+// torch's current CUDA stream of a device. The stable ABI of torch 2.11 has no device-generic way
+// to read a stream's native handle (Stream::nativeHandle came in 2.13), so the CUDA shim
+// function is looked up in the libtorch_cuda.so torch has loaded. Looking it up at run time
+// rather than linking it keeps this library loadable by CPU-only torch builds.
+using CurrentCudaStreamFn = int32_t (*)(int32_t, void**);
+
+CurrentCudaStreamFn current_stream_fn() {
+  static const CurrentCudaStreamFn fn = []() -> CurrentCudaStreamFn {
+    void* sym = dlsym(RTLD_DEFAULT, "aoti_torch_get_current_cuda_stream");
+    if (sym == nullptr) {
+      void* lib = dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_NOLOAD);
+      if (lib != nullptr) sym = dlsym(lib, "aoti_torch_get_current_cuda_stream");
+    }
+    return reinterpret_cast<CurrentCudaStreamFn>(sym);
+  }();
+  return fn;
+}
+
+cudaStream_t current_stream(int32_t device_index) {
+  const CurrentCudaStreamFn fn = current_stream_fn();
+  LMC_CHECK(fn != nullptr,
+            "lmcache: torch's CUDA library (libtorch_cuda.so, aoti_torch_get_current_cuda_stream) "
+            "is not loaded in this process: expected a CUDA build of torch with a CUDA tensor "
+            "argument");
+  void* stream = nullptr;
+  LMC_CHECK(fn(device_index, &stream) == 0,
+            "lmcache: could not read torch's current CUDA stream of device ", device_index);
+  return static_cast<cudaStream_t>(stream);
 }
 
 struct Plan {
   KVCopyParams params{};
+  int32_t device_index = 0;
   int vector_bytes = 1;
   bool in_pass_checksum = false;
   bool region_checksum = false;
@@ -110,22 +155,22 @@ struct Plan {
   int64_t nl = 0;
 };
 
-Plan plan_copy(const char* op, at::TensorList k, at::TensorList v, const at::Tensor& slots,
-               const at::Tensor& chunk_offsets, const at::Tensor& staging,
-               const std::optional<at::Tensor>& checksums, int64_t first_layer,
+Plan plan_copy(const char* op, const std::vector<Tensor>& k, const std::vector<Tensor>& v, const Tensor& slots,
+               const Tensor& chunk_offsets, const Tensor& staging,
+               const std::optional<Tensor>& checksums, int64_t first_layer,
                int64_t total_layers, bool staging_full, int64_t max_sms) {
   LMC_CHECK(staging.is_cuda(), op, ": expected staging in CUDA device memory, found ",
               describe(staging), " (host memory moves by DMA: stage on the device)");
-  const at::Device device = staging.device();
+  const torch::stable::Device device = staging.device();
   LMC_CHECK(!k.empty(), op, ": expected at least one layer in k_caches, found none");
   LMC_CHECK(v.empty() || v.size() == k.size(), op,
               ": expected v_caches to hold 0 layers (MLA: one latent per token) or ", k.size(),
               " like k_caches, found ", v.size());
   check_layers(op, "k_caches", k, device);
   check_layers(op, "v_caches", v, device);
-  const at::Tensor& k0 = k[0];
+  const Tensor& k0 = k[0];
   if (!v.empty()) {
-    const at::Tensor& v0 = v[0];
+    const Tensor& v0 = v[0];
     LMC_CHECK(v0.size(0) == k0.size(0) && v0.size(1) == k0.size(1) &&
                     v0.size(2) == k0.size(2) && v0.scalar_type() == k0.scalar_type(),
                 op, ": expected v_caches with the pages, page size, heads and dtype of k_caches (",
@@ -163,8 +208,8 @@ Plan plan_copy(const char* op, at::TensorList k, at::TensorList v, const at::Ten
               " elements (layout [chunk][layer][token][kv_width]), found ", staging.numel());
   const int64_t num_chunks = chunk_offsets.numel() - 1;
   if (checksums.has_value()) {
-    const at::Tensor& c = *checksums;
-    LMC_CHECK(c.scalar_type() == at::kLong && c.is_contiguous() && c.numel() == num_chunks, op,
+    const Tensor& c = *checksums;
+    LMC_CHECK(c.scalar_type() == ScalarType::Long && c.is_contiguous() && c.numel() == num_chunks, op,
                 ": expected checksums as a contiguous int64 tensor of num_chunks = ", num_chunks,
                 " entries, found ", describe(c));
     LMC_CHECK(c.device() == device, op, ": expected checksums on ", device, ", found ",
@@ -174,18 +219,19 @@ Plan plan_copy(const char* op, at::TensorList k, at::TensorList v, const at::Ten
   Plan plan;
   KVCopyParams& p = plan.params;
   plan.nl = nl;
+  plan.device_index = staging.get_device_index();
   int64_t g = 16;
   g = fold_align(g, k_seg);
   if (v_seg > 0) g = fold_align(g, v_seg);
-  const at::Tensor* views[2] = {&k0, v.empty() ? nullptr : &v[0]};
-  for (const at::Tensor* t : views) {
+  const Tensor* views[2] = {&k0, v.empty() ? nullptr : &v[0]};
+  for (const Tensor* t : views) {
     if (t == nullptr) continue;
     for (int d = 0; d < 3; ++d) {
       if (t->size(d) > 1) g = fold_align(g, t->stride(d) * elt);
     }
   }
-  for (const at::Tensor& t : k) g = fold_align(g, reinterpret_cast<uintptr_t>(t.data_ptr()) % 16);
-  for (const at::Tensor& t : v) g = fold_align(g, reinterpret_cast<uintptr_t>(t.data_ptr()) % 16);
+  for (const Tensor& t : k) g = fold_align(g, reinterpret_cast<uintptr_t>(t.data_ptr()) % 16);
+  for (const Tensor& t : v) g = fold_align(g, reinterpret_cast<uintptr_t>(t.data_ptr()) % 16);
   g = fold_align(g, reinterpret_cast<uintptr_t>(staging.data_ptr()) % 16);
   plan.vector_bytes = static_cast<int>(g);
   if (checksums.has_value() && num_chunks > 0) {
@@ -197,11 +243,11 @@ Plan plan_copy(const char* op, at::TensorList k, at::TensorList v, const at::Ten
                 total_layers, ": move all layers in one call, or pass checksums=None");
   }
 
-  p.slots = slots.data_ptr<int64_t>();
-  p.chunk_offsets = chunk_offsets.data_ptr<int64_t>();
+  p.slots = static_cast<const int64_t*>(slots.data_ptr());
+  p.chunk_offsets = static_cast<const int64_t*>(chunk_offsets.data_ptr());
   p.staging = static_cast<char*>(staging.data_ptr());
   p.checksums = checksums.has_value()
-                    ? reinterpret_cast<unsigned long long*>(checksums->data_ptr<int64_t>())
+                    ? static_cast<unsigned long long*>(checksums->data_ptr())
                     : nullptr;
   p.num_tokens = num_tokens;
   p.capacity = k0.size(0) * k0.size(1);
@@ -233,10 +279,10 @@ Plan plan_copy(const char* op, at::TensorList k, at::TensorList v, const at::Ten
   return plan;
 }
 
-void run_copy(bool gather, Plan& plan, at::TensorList k, at::TensorList v) {
+void run_copy(bool gather, Plan& plan, const std::vector<Tensor>& k, const std::vector<Tensor>& v) {
   KVCopyParams& p = plan.params;
   if (p.num_tokens == 0 || p.num_chunks == 0) return;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream(plan.device_index);
   for (int64_t g0 = 0; g0 < plan.nl; g0 += kMaxLayersPerLaunch) {
     const int64_t count = std::min<int64_t>(kMaxLayersPerLaunch, plan.nl - g0);
     for (int64_t i = 0; i < count; ++i) {
@@ -253,7 +299,7 @@ void run_copy(bool gather, Plan& plan, at::TensorList k, at::TensorList v) {
     } else {
       launch_kv_scatter(p, plan.vector_bytes, plan.in_pass_checksum, grid, stream);
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    LMC_CUDA_CHECK(cudaGetLastError());
   }
   if (plan.region_checksum) {
     RegionChecksumParams r{};
@@ -269,58 +315,58 @@ void run_copy(bool gather, Plan& plan, at::TensorList k, at::TensorList v) {
     r.total_layers = p.total_layers;
     r.num_chunks = p.num_chunks;
     launch_region_checksum(r, plan.sms, stream);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    LMC_CUDA_CHECK(cudaGetLastError());
   }
 }
 
 }  // namespace
 
-void gather_kv(at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
-               const at::Tensor& chunk_offsets, at::Tensor& staging,
-               const std::optional<at::Tensor>& checksums, int64_t first_layer,
+void gather_kv(const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches, const Tensor& slots,
+               const Tensor& chunk_offsets, Tensor& staging,
+               const std::optional<Tensor>& checksums, int64_t first_layer,
                int64_t total_layers, bool staging_full, int64_t max_sms) {
   Plan plan = plan_copy("lmcache::gather_kv", k_caches, v_caches, slots, chunk_offsets, staging,
                         checksums, first_layer, total_layers, staging_full, max_sms);
-  const c10::cuda::OptionalCUDAGuard guard(staging.device());  // checked: a CUDA device
+  const torch::stable::accelerator::DeviceGuard guard(staging.get_device_index());  // a CUDA one
   run_copy(true, plan, k_caches, v_caches);
 }
 
-void scatter_kv(at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
-                const at::Tensor& chunk_offsets, const at::Tensor& staging,
-                const std::optional<at::Tensor>& checksums, int64_t first_layer,
+void scatter_kv(const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches, const Tensor& slots,
+                const Tensor& chunk_offsets, const Tensor& staging,
+                const std::optional<Tensor>& checksums, int64_t first_layer,
                 int64_t total_layers, bool staging_full, int64_t max_sms) {
   Plan plan = plan_copy("lmcache::scatter_kv", k_caches, v_caches, slots, chunk_offsets, staging,
                         checksums, first_layer, total_layers, staging_full, max_sms);
-  const c10::cuda::OptionalCUDAGuard guard(staging.device());  // checked: a CUDA device
+  const torch::stable::accelerator::DeviceGuard guard(staging.get_device_index());  // a CUDA one
   run_copy(false, plan, k_caches, v_caches);
 }
 
-void checksum_chunks(const at::Tensor& data, const at::Tensor& offsets, int64_t unit_bytes,
-                     at::Tensor& out) {
+void checksum_chunks(const Tensor& data, const Tensor& offsets, int64_t unit_bytes,
+                     Tensor& out) {
   const char* op = "lmcache::checksum_chunks";
   LMC_CHECK(data.is_cuda(), op, ": expected data in CUDA device memory, found ",
               describe(data));
   LMC_CHECK(data.is_contiguous(), op, ": expected contiguous data, found ", describe(data));
-  const at::Device device = data.device();
-  const c10::cuda::OptionalCUDAGuard guard(device);
+  const torch::stable::Device device = data.device();
+  const torch::stable::accelerator::DeviceGuard guard(data.get_device_index());
   check_index_tensor(op, "offsets", offsets, device);
   LMC_CHECK(offsets.numel() >= 1, op,
               ": expected offsets [num_chunks + 1] with at least one entry, found none");
   LMC_CHECK(unit_bytes > 0, op, ": expected unit_bytes > 0, found ", unit_bytes);
   const int64_t nbytes = data.numel() * static_cast<int64_t>(data.element_size());
   const int64_t num_chunks = offsets.numel() - 1;
-  LMC_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == num_chunks &&
+  LMC_CHECK(out.scalar_type() == ScalarType::Long && out.is_contiguous() && out.numel() == num_chunks &&
                   out.device() == device,
               op, ": expected out as a contiguous int64 tensor of num_chunks = ", num_chunks,
               " entries on ", device, ", found ", describe(out));
   LMC_CHECK(num_chunks < (int64_t{1} << 31), op, ": expected fewer than 2^31 chunks, found ",
               num_chunks);
-  out.zero_();
+  torch::stable::zero_(out);
   if (num_chunks == 0 || nbytes == 0) return;
   RegionChecksumParams r{};
   r.data = static_cast<const unsigned char*>(data.data_ptr());
-  r.offsets = offsets.data_ptr<int64_t>();
-  r.out = reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>());
+  r.offsets = static_cast<const int64_t*>(offsets.data_ptr());
+  r.out = static_cast<unsigned long long*>(out.data_ptr());
   r.num_units = nbytes / unit_bytes;
   r.row_bytes = unit_bytes;
   r.stage_layers = 1;
@@ -329,8 +375,8 @@ void checksum_chunks(const at::Tensor& data, const at::Tensor& offsets, int64_t 
   r.chunk_layer0 = 0;
   r.total_layers = 1;
   r.num_chunks = static_cast<int>(num_chunks);
-  launch_region_checksum(r, device_sms(device), c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_region_checksum(r, device_sms(device), current_stream(data.get_device_index()));
+  LMC_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace lmcache
