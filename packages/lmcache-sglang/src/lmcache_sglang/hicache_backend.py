@@ -47,7 +47,7 @@ from lmcache.gpu_connector.interface import ChunkTransfer, GPUConnectorInterface
 from lmcache.metrics import LMCacheMetrics
 from lmcache.tiers import process_cpu_tier
 from lmcache_sglang.gpu_connector import SGLangKVConnector
-from lmcache_sglang.hook_config import ModelFacts, hook_config, model_facts
+from lmcache_sglang.hook_config import ModelFacts, hook_config, log_start_line, model_facts
 from lmcache_sglang.kv_pools import build_metadata, host_layer_views, host_pool_layers
 from lmcache_sglang.page_store import PageStore
 from lmcache_sglang.sglang_types import HostKVPool
@@ -173,6 +173,8 @@ class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
             self._namespace(),
         )
         self.layout = str(mem_pool_host.layout)
+        # the KV this backend copies lives in SGLang's host pool: no device kernels run here
+        log_start_line("HiCache storage backend", layers.device)
         logger.info(
             "lmcache HiCache backend ready: model=%s rank=%d/%d mla=%s layout=%s page=%d",
             metadata.model_name,

@@ -6,6 +6,7 @@ Each hook receives its settings its own way (the linker's ``linker_extra_config`
 them with ``LMCACHE_*`` and ``LMCACHE_CONFIG_FILE`` through :func:`lmcache.config.load_config`,
 so every hook reports the same typed :class:`~lmcache.config.ConfigError`. :func:`model_facts`
 reads what changes the KV bytes from SGLang's ``ServerArgs``; :func:`tp_rank_and_size` the rank.
+:func:`log_start_line` logs lmcache's one start-up line per hook and process.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ __all__ = [
     "LMCACHE_DAEMON_KEYS",
     "ModelFacts",
     "hook_config",
+    "log_start_line",
     "model_facts",
     "strip_daemon_keys",
     "tp_rank_and_size",
@@ -38,6 +41,22 @@ CONFIG_FILE_KEY = "config_file"
 
 LMCACHE_DAEMON_KEYS = frozenset({"mp_host", "mp_port"})
 """Keys of LMCache's multiprocess daemon: accepted and ignored (lmcache runs in process)."""
+
+
+def log_start_line(hook: str, device: object) -> bool:
+    """Log lmcache's start-up line for ``hook`` once in this process
+    (:func:`lmcache.banner.log_banner`): packages, SGLang's version, the device of the KV
+    lmcache copies and its kernels. SGLang's logging prints it (root handler). Never raises.
+
+    Args:
+        hook: The SGLang hook that loaded lmcache (``"UnifiedCacheLinker"``, ...).
+        device: The device of the KV this hook copies (``torch.device`` or a string).
+    """
+    from lmcache.banner import dist_version, log_banner
+
+    sglang = sys.modules.get("sglang")  # imported by SGLang's process; never import it here
+    version = getattr(sglang, "__version__", None) or dist_version("sglang")
+    return log_banner("SGLang", version, "lmcache-sglang", str(device), hook=hook)
 
 
 def hook_config(

@@ -39,6 +39,7 @@ from lmcache.metadata import LMCacheMetadata
 from lmcache.metrics import LMCacheMetrics
 from lmcache.model_identity import hf_config_dict, model_digest
 from lmcache.tiers import process_cpu_tier
+from lmcache_sglang.hook_config import log_start_line
 from lmcache_sglang.mp_connector import lmcache_config_for_sglang
 from lmcache_sglang.sglang_types import TokenIds
 
@@ -217,6 +218,7 @@ class LMCacheLayerwiseConnector:
             tier=process_cpu_tier(self.config, metrics),
         )
         self.num_layers = metadata.num_layers
+        log_start_line("--enable-lmcache", self.device)
         # LMCRadixCache passes no LoRA id: keys could not tell adapters apart, so never cache.
         self.enabled = not _lora_enabled()
         if not self.enabled:

@@ -54,7 +54,12 @@ from lmcache.gpu_connector import CreateGPUConnector
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 from lmcache.metrics import LMCacheMetrics
 from lmcache.tiers import process_cpu_tier
-from lmcache_sglang.hook_config import hook_config, model_facts, tp_rank_and_size
+from lmcache_sglang.hook_config import (
+    hook_config,
+    log_start_line,
+    model_facts,
+    tp_rank_and_size,
+)
 from lmcache_sglang.kv_pools import build_metadata, device_pool_layers
 from lmcache_sglang.page_store import HeldPages, PageStore
 from lmcache_sglang.sglang_types import CacheInitParams
@@ -175,6 +180,7 @@ class LMCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is unty
         ]
         for t in self._threads:
             t.start()
+        log_start_line("UnifiedCacheLinker", getattr(kvcache, "device", "cpu"))
         md = self.store.metadata
         logger.info(
             "lmcache linker ready: model=%s rank=%d/%d layers=%d kv_width=%d dtype=%s page=%d",

@@ -50,7 +50,12 @@ from lmcache.gpu_connector import CreateGPUConnector
 from lmcache.gpu_connector.interface import TransferSpec
 from lmcache.metrics import LMCacheMetrics
 from lmcache.tiers import process_cpu_tier
-from lmcache_sglang.hook_config import LMCACHE_DAEMON_KEYS, model_facts, strip_daemon_keys
+from lmcache_sglang.hook_config import (
+    LMCACHE_DAEMON_KEYS,
+    log_start_line,
+    model_facts,
+    strip_daemon_keys,
+)
 from lmcache_sglang.kv_pools import build_metadata, device_pool_layers
 from lmcache_sglang.mp_metadata import LoadOp, LookupOp, StoreOp
 from lmcache_sglang.sglang_types import KVPoolAllocator
@@ -202,6 +207,7 @@ class UnifiedLMCacheMPConnector:
             metrics=metrics,
             tier=process_cpu_tier(self.config, metrics),
         )
+        log_start_line("--enable-lmcache", self.device)
         logger.info(
             "lmcache (--enable-lmcache, in process): model=%s rank=%d/%d chunk=%d layers=%d",
             metadata.model_name,

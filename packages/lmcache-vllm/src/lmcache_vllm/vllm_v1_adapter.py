@@ -35,7 +35,7 @@ from lmcache_vllm.connector_metadata import (
 from lmcache_vllm.extra_config import extra_config_overrides, load_lmcache_config
 from lmcache_vllm.lookup_sockets import engine_key
 from lmcache_vllm.scheduler.side import SchedulerSide
-from lmcache_vllm.utils import calculate_local_rank_and_world_size
+from lmcache_vllm.utils import calculate_local_rank_and_world_size, get_vllm_torch_dev
 from lmcache_vllm.vllm_types import SchedulerOutput, SchedulerRequest, VllmConfig
 from lmcache_vllm.worker.kv_registration import check_kv_cache_groups
 from lmcache_vllm.worker.side import WorkerSide
@@ -56,6 +56,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+#: The start-up line goes through vLLM's ``vllm`` logger, whose handler prints vLLM's INFO lines
+#: (``lmcache_vllm``'s own logger prints nothing unless the application configured logging).
+BANNER_LOGGER = logging.getLogger("vllm.lmcache_vllm")
 
 _LIVE: list[weakref.ref[LMCacheEngine]] = []
 _LIVE_LOCK = threading.Lock()
@@ -73,6 +76,30 @@ def live_engines() -> list[LMCacheEngine]:
     with _LIVE_LOCK:
         engines = [ref() for ref in _LIVE]
     return [e for e in engines if e is not None and not e._closed]
+
+
+def log_start_line(vllm_config: VllmConfig, *, is_worker: bool) -> bool:
+    """Log lmcache's one start-up line for this process (:func:`lmcache.banner.log_banner`).
+
+    The device is ``<kind>:<local rank>`` on a GPU worker (the device vLLM gives that rank),
+    the device kind on the scheduler side and ``cpu`` on vLLM's CPU build. Never raises.
+    """
+    from lmcache.banner import log_banner
+
+    try:
+        import vllm
+
+        version = str(getattr(vllm, "__version__", "unknown"))
+    except ImportError:
+        version = "not installed"
+    device = "cpu"
+    try:
+        device, _ = get_vllm_torch_dev()
+        if is_worker and device != "cpu":
+            device = f"{device}:{calculate_local_rank_and_world_size(vllm_config)[0]}"
+    except Exception:  # a start-up line never stops the engine
+        logger.debug("lmcache: no device index for the start-up line", exc_info=True)
+    return log_banner("vLLM", version, "lmcache-vllm", device, log=BANNER_LOGGER)
 
 
 class LMCacheConnectorV1Impl:
@@ -114,6 +141,7 @@ class LMCacheConnectorV1Impl:
             from lmcache_vllm.in_tree import adopt_in_tree_wrapper
 
             adopt_in_tree_wrapper(parent, self)
+        log_start_line(vllm_config, is_worker=not self.is_scheduler)
         logger.info(
             "lmcache connector (%s) for engine %s: chunk_size=%d layerwise=%s",
             self._role_name,
