@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CopyPlan", "check_chunk_offsets", "check_copy", "check_index", "describe"]
+__all__ = [
+    "CopyPlan",
+    "check_chunk_offsets",
+    "check_copy",
+    "check_data_offsets",
+    "check_index",
+    "describe",
+]
 
 
 def describe(t: torch.Tensor) -> str:
@@ -182,4 +189,30 @@ def check_chunk_offsets(op: str, offsets: Sequence[int], num_tokens: int) -> Non
             f"num_tokens={num_tokens} ([num_chunks + 1] staging token offsets), found {shown} "
             f"(last {last}). Fix: build them as [0, *itertools.accumulate(chunk_token_counts)] with "
             "counts >= 0 that add up to len(slots)."
+        )
+
+
+def check_data_offsets(
+    op: str, offsets: Sequence[int], data: torch.Tensor, unit_bytes: int
+) -> None:
+    """Offsets of ``checksum_chunks`` (host values): non-decreasing, from 0 or more, within the
+    data's bytes / ``unit_bytes``.
+
+    Raises:
+        ValueError: they are not, with what was expected, what was found and the fix.
+    """
+    nbytes = data.numel() * data.element_size()
+    if unit_bytes <= 0:
+        raise ValueError(f"{op}: expected unit_bytes > 0, found {unit_bytes}.")
+    if (
+        not offsets
+        or offsets[0] < 0
+        or offsets[-1] * unit_bytes > nbytes
+        or any(a > b for a, b in itertools.pairwise(offsets))
+    ):
+        shown = f"{list(offsets[:8])}{'...' if len(offsets) > 8 else ''}"
+        raise ValueError(
+            f"{op}: expected offsets non-decreasing within the data's {nbytes} bytes / "
+            f"unit_bytes={unit_bytes}, found {shown}. Fix: pass [num_chunks + 1] running "
+            "offsets of the chunks, in units of unit_bytes."
         )
