@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from lmcache.gpu_ops import _cext, _dispatch, _ref, _vectorized
-from lmcache.gpu_ops._checks import check_chunk_offsets, check_data_offsets
+from lmcache.gpu_ops._checks import build_chunk_offsets, check_chunk_offsets, check_data_offsets
 from lmcache.gpu_ops._dispatch import IMPLEMENTATIONS, implementation
 from lmcache.gpu_ops._ref import CHECKSUM_NAME, CHECKSUM_VERSION, chunk_checksum
 
@@ -42,6 +42,9 @@ __all__ = [
     "CHECKSUM_VERSION",
     "IMPLEMENTATIONS",
     "PagedKV",
+    "build_chunk_offsets",
+    "check_chunk_offsets",
+    "check_data_offsets",
     "checksum_chunks",
     "chunk_checksum",
     "gather_kv",

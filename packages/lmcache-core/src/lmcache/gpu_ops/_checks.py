@@ -18,6 +18,7 @@ import torch
 
 __all__ = [
     "CopyPlan",
+    "build_chunk_offsets",
     "check_chunk_offsets",
     "check_copy",
     "check_data_offsets",
@@ -190,6 +191,23 @@ def check_chunk_offsets(op: str, offsets: Sequence[int], num_tokens: int) -> Non
             f"(last {last}). Fix: build them as [0, *itertools.accumulate(chunk_token_counts)] with "
             "counts >= 0 that add up to len(slots)."
         )
+
+
+def build_chunk_offsets(counts: Sequence[int], num_tokens: int | None = None) -> list[int]:
+    """``[0, n_0, n_0 + n_1, ...]``: the chunk offsets of chunks of ``counts`` tokens, checked.
+
+    Args:
+        counts: Tokens of each chunk (host values).
+        num_tokens: The staged token count they must add up to (``len(slots)``), if known.
+
+    Raises:
+        ValueError: a count is negative, or they do not add up to ``num_tokens``.
+    """
+    offsets = [0, *itertools.accumulate(int(n) for n in counts)]
+    check_chunk_offsets(
+        "build_chunk_offsets", offsets, offsets[-1] if num_tokens is None else num_tokens
+    )
+    return offsets
 
 
 def check_data_offsets(
