@@ -19,9 +19,11 @@ import torch
 __all__ = [
     "CopyPlan",
     "build_chunk_offsets",
+    "check_checksum_args",
     "check_chunk_offsets",
     "check_copy",
     "check_data_offsets",
+    "check_host_offsets",
     "check_index",
     "describe",
 ]
@@ -234,3 +236,34 @@ def check_data_offsets(
             f"unit_bytes={unit_bytes}, found {shown}. Fix: pass [num_chunks + 1] running "
             "offsets of the chunks, in units of unit_bytes."
         )
+
+
+def check_host_offsets(op: str, offsets: torch.Tensor, num_tokens: int) -> None:
+    """:func:`check_chunk_offsets` of a CPU tensor (reading it waits for nothing); a device
+    tensor is trusted: its builder checked the values on the host."""
+    if offsets.device.type == "cpu":
+        check_chunk_offsets(op, [int(x) for x in offsets.tolist()], num_tokens)
+
+
+def check_checksum_args(
+    op: str, data: torch.Tensor, offsets: torch.Tensor, unit_bytes: int, out: torch.Tensor
+) -> int:
+    """Check ``checksum_chunks``' arguments (CPU offsets' values too); return the chunk count.
+
+    Raises:
+        ValueError: an argument does not match (the message says what was expected).
+    """
+    if not data.is_contiguous():
+        raise ValueError(f"{op}: expected contiguous data, found {describe(data)}.")
+    check_index(op, "offsets", offsets, data.device)
+    if unit_bytes <= 0:
+        raise ValueError(f"{op}: expected unit_bytes > 0, found {unit_bytes}.")
+    count = offsets.numel() - 1
+    if count < 0 or out.dtype != torch.int64 or out.numel() != count or not out.is_contiguous():
+        raise ValueError(
+            f"{op}: expected offsets [num_chunks + 1] and out as a contiguous int64 tensor of "
+            f"num_chunks entries, found offsets {describe(offsets)}, out {describe(out)}."
+        )
+    if offsets.device.type == "cpu":
+        check_data_offsets(op, [int(x) for x in offsets.tolist()], data, unit_bytes)
+    return count

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmcache.gpu_ops._checks import check_copy, check_index, describe
+from lmcache.gpu_ops._checks import check_checksum_args, check_copy, check_host_offsets
 
 __all__ = ["checksum_chunks", "gather_kv", "scatter_kv"]
 
@@ -295,6 +295,7 @@ def _copy(
     op = "gather_kv" if gather else "scatter_kv"
     args = (k_caches, v_caches, slots, chunk_offsets, staging, checksums)
     plan = check_copy(op, *args, first_layer, total_layers, staging_full)
+    check_host_offsets(op, chunk_offsets, plan.num_tokens)
     if plan.num_tokens == 0 or plan.num_chunks == 0:
         return
     unit = _unit(k_caches, v_caches, staging)
@@ -427,18 +428,7 @@ def checksum_chunks(
     Raises:
         ValueError: an argument's metadata does not match (offsets' values are not read).
     """
-    op = "checksum_chunks"
-    if not data.is_contiguous():
-        raise ValueError(f"{op}: expected contiguous data, found {describe(data)}.")
-    check_index(op, "offsets", offsets, data.device)
-    if unit_bytes <= 0:
-        raise ValueError(f"{op}: expected unit_bytes > 0, found {unit_bytes}.")
-    count = offsets.numel() - 1
-    if count < 0 or out.dtype != torch.int64 or out.numel() != count or not out.is_contiguous():
-        raise ValueError(
-            f"{op}: expected offsets [num_chunks + 1] and out as a contiguous int64 tensor of "
-            f"num_chunks entries, found offsets {describe(offsets)}, out {describe(out)}."
-        )
+    count = check_checksum_args("checksum_chunks", data, offsets, unit_bytes, out)
     out.zero_()
     nbytes = data.numel() * data.element_size()
     if count == 0 or nbytes == 0:

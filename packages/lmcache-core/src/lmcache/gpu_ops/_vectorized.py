@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lmcache.gpu_ops._checks import CopyPlan, check_copy, check_index, describe
+from lmcache.gpu_ops._checks import CopyPlan, check_checksum_args, check_copy, check_host_offsets
 from lmcache.gpu_ops.mix64sum import _GOLDEN, _mix64_t, signed64
 
 __all__ = ["SLICE_WORDS", "checksum_chunks", "gather_kv", "scatter_kv"]
@@ -165,6 +165,7 @@ def gather_kv(
     """
     args = (k_caches, v_caches, slots, chunk_offsets, staging, checksums)
     plan = check_copy("gather_kv", *args, first_layer, total_layers, staging_full)
+    check_host_offsets("gather_kv", chunk_offsets, plan.num_tokens)
     if plan.num_tokens and plan.num_chunks:
         caches = _Caches(k_caches, v_caches)
         rows, ok = _token_rows(chunk_offsets, plan, len(k_caches), staging.device)
@@ -201,6 +202,7 @@ def scatter_kv(
     """
     args = (k_caches, v_caches, slots, chunk_offsets, staging, checksums)
     plan = check_copy("scatter_kv", *args, first_layer, total_layers, staging_full)
+    check_host_offsets("scatter_kv", chunk_offsets, plan.num_tokens)
     if plan.num_tokens and plan.num_chunks:
         caches = _Caches(k_caches, v_caches)
         rows, ok = _token_rows(chunk_offsets, plan, len(k_caches), staging.device)
@@ -301,20 +303,7 @@ def checksum_chunks(
     Raises:
         ValueError: an argument's metadata does not match (offsets' values are not read).
     """
-    op = "checksum_chunks"
-    if not data.is_contiguous():
-        raise ValueError(f"{op}: expected contiguous data, found {describe(data)}.")
-    check_index(op, "offsets", offsets, data.device)
-    if unit_bytes <= 0:
-        raise ValueError(f"{op}: expected unit_bytes > 0, found {unit_bytes}.")
-    if offsets.numel() < 1:
-        raise ValueError(f"{op}: expected offsets [num_chunks + 1], found none.")
-    count = offsets.numel() - 1
-    if out.dtype != torch.int64 or out.numel() != count or not out.is_contiguous():
-        raise ValueError(
-            f"{op}: expected out as a contiguous int64 tensor of {count} entries, found "
-            f"{describe(out)}."
-        )
+    count = check_checksum_args("checksum_chunks", data, offsets, unit_bytes, out)
     out.zero_()
     nbytes = data.numel() * data.element_size()
     if count == 0 or nbytes == 0:
