@@ -243,7 +243,7 @@ def _copy_sums(
     len_term = _mix64_t(total_layers * n * rb) if first_layer == 0 else torch.zeros_like(n)
     region = plan.num_tokens * plan.stage_layers * rb
     len_term = torch.where(good, len_term, 0)
-    _region_sums(staging, start, length, word1, len_term, checksums, region, rb % 8 == 0)
+    _region_sums(staging, start, length, word1, len_term, checksums, region, rb)
 
 
 def _region_sums(
@@ -254,25 +254,67 @@ def _region_sums(
     len_term: torch.Tensor,
     out: torch.Tensor,
     total_bytes: int,
-    whole_words: bool,
+    row_bytes: int,
 ) -> None:
     """``out[c] += len_term[c] + sum_i mix64(w_i XOR ((word1[c] + i) * golden))`` over the
     zero-padded words of bytes ``[start[c], start[c] + length[c])`` of contiguous ``data``.
 
-    ``total_bytes`` bounds the sum of ``length`` (the word count of the slices is known on the
-    host without reading the device). ``whole_words``: every ``start`` and ``length`` is a
-    multiple of 8 (known on the host from the row or unit size), so aligned words are read
-    whole; else byte by byte.
+    ``row_bytes`` divides every ``start`` and ``length`` (known on the host: the row or unit
+    size). When it is a multiple of 8 and ``data`` is aligned, rows of whole words are summed
+    (:func:`_row_sums`); else words are put together byte by byte. ``total_bytes`` bounds the
+    sum of ``length`` (the host knows the work without reading the device).
     """
+    if row_bytes % 8 == 0 and data.data_ptr() % 8 == 0:
+        _row_sums(data, start, length, word1, out, row_bytes // 8)
+    else:
+        _byte_sums(data, start, length, word1, out, total_bytes)
+    out.add_(len_term)
+
+
+def _row_sums(
+    data: torch.Tensor,
+    start: torch.Tensor,
+    length: torch.Tensor,
+    word1: torch.Tensor,
+    out: torch.Tensor,
+    row_words: int,
+) -> None:
+    """Sum each row of ``row_words`` words, then a chunk's rows as a difference of running sums
+    (int64 wraps: exact mod 2^64, and no atomics on a few chunk addresses)."""
+    raw = data.reshape(-1).view(torch.uint8)
+    num_rows = raw.numel() // (8 * row_words)
+    rows = raw[: num_rows * 8 * row_words].view(torch.int64).view(num_rows, row_words)
+    first = (start // (8 * row_words)).clamp(0, num_rows)
+    last = (first + length // (8 * row_words)).clamp(0, num_rows)
+    sums = torch.zeros(num_rows + 1, dtype=torch.int64, device=raw.device)
+    lane = torch.arange(row_words, device=raw.device)
+    step = max(1, SLICE_WORDS // row_words)
+    for r0 in range(0, num_rows, step):
+        r = torch.arange(r0, min(num_rows, r0 + step), device=raw.device)
+        chunk = (torch.searchsorted(first, r, right=True) - 1).clamp(0, start.numel() - 1)
+        index = (word1[chunk] + (r - first[chunk]) * row_words).unsqueeze(1) + lane
+        term = _mix64_t(rows[r0 : r0 + r.numel()] ^ (index * signed64(_GOLDEN)))
+        sums[r0 + 1 : r0 + 1 + r.numel()] = term.sum(dim=1)
+    running = torch.cumsum(sums, 0)
+    out.add_(running[last] - running[first])
+
+
+def _byte_sums(
+    data: torch.Tensor,
+    start: torch.Tensor,
+    length: torch.Tensor,
+    word1: torch.Tensor,
+    out: torch.Tensor,
+    total_bytes: int,
+) -> None:
+    """Words put together byte by byte: regions that do not start on 8-byte addresses."""
     raw = data.reshape(-1).view(torch.uint8)
     nbytes = raw.numel()
     c_count = start.numel()
-    aligned = whole_words and data.data_ptr() % 8 == 0
     words_c = (length + 7) // 8
     ends = torch.cumsum(words_c, 0)
     begins = ends - words_c
     max_words = (total_bytes + 7) // 8 + c_count
-    words64 = raw[: nbytes // 8 * 8].view(torch.int64) if aligned else None
     lane = torch.arange(8, device=raw.device)
     for w0 in range(0, max_words, SLICE_WORDS):
         w = torch.arange(w0, min(max_words, w0 + SLICE_WORDS), device=raw.device)
@@ -280,17 +322,12 @@ def _region_sums(
         inside = chunk < c_count
         chunk = chunk.clamp(max=c_count - 1)
         local = w - begins[chunk]
-        at = start[chunk] + 8 * local
-        if words64 is not None:
-            word = words64[(at // 8).clamp(0, max(nbytes // 8 - 1, 0))]
-        else:  # bytes one at a time: rows that are not whole words
-            pos = at.unsqueeze(1) + lane
-            byte = raw[pos.clamp(0, max(nbytes - 1, 0))].to(torch.int64)
-            byte = torch.where(pos < (start[chunk] + length[chunk]).unsqueeze(1), byte, 0)
-            word = (byte << (8 * lane)).sum(dim=1)
+        pos = (start[chunk] + 8 * local).unsqueeze(1) + lane
+        byte = raw[pos.clamp(0, max(nbytes - 1, 0))].to(torch.int64)
+        byte = torch.where(pos < (start[chunk] + length[chunk]).unsqueeze(1), byte, 0)
+        word = (byte << (8 * lane)).sum(dim=1)
         term = _mix64_t(word ^ ((word1[chunk] + local) * signed64(_GOLDEN)))
         out.index_add_(0, chunk, torch.where(inside, term, 0))
-    out.add_(len_term)
 
 
 def checksum_chunks(
@@ -313,4 +350,4 @@ def checksum_chunks(
     start = a * unit_bytes
     length = torch.where(good, (b - a) * unit_bytes, 0)
     word1 = torch.ones_like(a)
-    _region_sums(data, start, length, word1, _mix64_t(length), out, nbytes, unit_bytes % 8 == 0)
+    _region_sums(data, start, length, word1, _mix64_t(length), out, nbytes, unit_bytes)
