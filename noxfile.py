@@ -62,6 +62,9 @@ KERNEL_BUILD_DEPS = [
     "wheel",
 ]
 CUOBJDUMP = "nvidia-cuda-cuobjdump==13.2.86"  # lists the GPU code a library holds
+# Triton's interpreter (TRITON_INTERPRET=1) runs lmcache's Triton kernels on CPU tensors, so the
+# core session checks the Triton port against the reference bit for bit (a 286 MB wheel).
+TRITON = "triton==3.9.0"
 # The Redis/Valkey tier's client (lmcache-core's [redis] extra); its tests start a real
 # redis-server, which `.ci/run` installs (skipped with the reason where none is on PATH).
 REDIS_DEPS = ["redis>=5.0", "hiredis>=3.0"]
@@ -122,8 +125,9 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def core(session: nox.Session) -> None:
-    """lmcache-core unit tests on the CPU (no engine; a real redis-server for the Redis tier)."""
-    session.install(CORE_TORCH, *CORE_DEPS, *TEST_DEPS, *REDIS_DEPS)
+    """lmcache-core unit tests on the CPU (no engine; a real redis-server for the Redis tier;
+    the Triton port of the kernels in Triton's interpreter)."""
+    session.install(CORE_TORCH, TRITON, *CORE_DEPS, *TEST_DEPS, *REDIS_DEPS)
     session.install("--no-deps", *_editable("lmcache-core", "lmcache-sglang", "lmcache-xpu"))
     session.run(
         "pytest",

@@ -28,7 +28,6 @@ if [ "$STAGE" = tests ]; then
   timeout -k 10 "${LMC_TESTS_S:-540}" python3 -m nox -s gpu >"$LOGS/tests.log" 2>&1; rc=$?
   echo "== nox -s gpu: exit $rc (log $LOGS/tests.log)"
   grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|nox > (Session|.*no bundle)" "$LOGS/tests.log" | tail -n 30
-  grep -ho "CUDA kernels loaded ([a-z-]*" "$LOGS/tests.log" | sort | uniq -c
   built=$(ls -d "$CACHE"/kernels-* 2>/dev/null)
   if [ -n "$built" ]; then echo "compiled during the tests: $built"; rc=1; else echo "nothing compiled"; fi
   exit $rc

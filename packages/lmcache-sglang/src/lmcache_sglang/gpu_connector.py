@@ -124,8 +124,10 @@ class SGLangKVConnector(LayerRangeConnector):
 
     def kernel_transfer(self) -> KernelTransfer | None:
         """The kernel path over this connector's pools, or ``None`` when the kernels cannot
-        address them (e.g. layers with different strides). The constructor attaches it on CUDA;
-        on other devices it runs the ops' pure-torch reference (tests attach it there)."""
+        address them (e.g. layers with different strides). The constructor attaches it on CUDA,
+        where the ops run as the compiled kernels, their Triton port or vectorized torch
+        (:func:`lmcache.gpu_ops.implementation`); on other devices they run as vectorized
+        torch (tests attach it there)."""
         paged = paged_kv(self._layers, self.kv_layout)
         return KernelTransfer(paged, self.backend) if paged is not None else None
 

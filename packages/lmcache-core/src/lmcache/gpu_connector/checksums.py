@@ -18,6 +18,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from lmcache.gpu_ops._checks import check_chunk_offsets
 from lmcache.gpu_ops.mix64sum import signed64, unsigned64
 
 __all__ = [
@@ -170,13 +171,18 @@ def pack_index(
     ``[total]`` engine ``slots`` of the staging tokens, the ``[total]`` chunk of each staging
     token, then :func:`expected_sums` of the chunks' ``checksums``. Built with numpy over all
     tokens at once: a loop of small torch ops per chunk costs milliseconds on a 16k request.
-    :func:`split_index` cuts the uploaded copy back into its four parts.
+    :func:`split_index` cuts the uploaded copy back into its four parts. The offsets are
+    checked here, on the host (the kernels trust a device tensor of offsets).
+
+    Raises:
+        ValueError: a count is negative, or the counts do not add up to ``len(slots)``.
     """
     n = np.asarray(counts, dtype=np.int64)
     offsets = np.zeros(len(n) + 1, dtype=np.int64)
     np.cumsum(n, out=offsets[1:])
-    chunk_of = np.repeat(np.arange(len(n), dtype=np.int64), n)
     host = slots.to(torch.int64).numpy() if isinstance(slots, torch.Tensor) else slots
+    check_chunk_offsets("pack_index", offsets.tolist(), len(host))
+    chunk_of = np.repeat(np.arange(len(n), dtype=np.int64), n)
     expected = np.asarray(expected_sums(checksums), dtype=np.int64)
     return torch.from_numpy(
         np.concatenate([offsets, np.asarray(host, dtype=np.int64), chunk_of, expected])

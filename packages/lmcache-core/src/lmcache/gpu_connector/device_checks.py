@@ -72,8 +72,9 @@ class DeviceChecks:
         self.device = paged.device
         self.backend = backend
         self.uploads = UploadRing(backend, paged.device, min_numel=upload_numel)
-        # Load (or JIT-build) the extension now, at engine start, not on the first request.
-        gpu_ops.uses_cext(self.device)
+        # Load the kernels (or probe their Triton port) now, at engine start, not on the first
+        # request; without the compiled kernels the one WARNING is logged here.
+        gpu_ops.one_launch_ops(self.device)
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """Int64 ``host`` on the device, enqueued on the current stream (no host wait)."""

@@ -1,10 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Device ops between an engine's paged KV and chunk-major staging, one typed wrapper per op.
 
-Each wrapper calls ``torch.ops.lmcache.<op>`` (the CUDA extension, loaded by
-:mod:`lmcache.gpu_ops._cext`) when its tensors are on a CUDA device and the extension loads, and
-the pure-torch reference :mod:`lmcache.gpu_ops._ref` otherwise (CPU, XPU, no toolkit,
-``LMCACHE_DISABLE_CEXT=1``); both give the same bytes and checksums. The first CUDA call loads (or JIT-builds) the extension.
+Each wrapper runs the implementation that :func:`implementation` names for its tensors' device:
+on CUDA the compiled ``torch.ops.lmcache`` ops (:mod:`lmcache.gpu_ops._cext`), else their Triton
+port (:mod:`lmcache.gpu_ops._triton`: no nvcc needed), else vectorized torch
+(:mod:`lmcache.gpu_ops._vectorized`, also what CPU and XPU tensors take); the pure-torch
+reference :mod:`lmcache.gpu_ops._ref` is the oracle all of them match bit for bit. Every one but
+the reference runs a fixed number of launches per call and never waits for the device. The
+first op on a CUDA device without the compiled ops logs one WARNING (cause, fallback, fix).
 
 A transfer of ``num_chunks`` chunks of a request, all layers, in one launch::
 
@@ -29,17 +32,25 @@ from typing import Any
 
 import torch
 
-from lmcache.gpu_ops import _cext, _ref
+from lmcache.gpu_ops import _cext, _dispatch, _ref, _vectorized
+from lmcache.gpu_ops._checks import build_chunk_offsets, check_chunk_offsets, check_data_offsets
+from lmcache.gpu_ops._dispatch import IMPLEMENTATIONS, implementation
 from lmcache.gpu_ops._ref import CHECKSUM_NAME, CHECKSUM_VERSION, chunk_checksum
 
 __all__ = [
     "CHECKSUM_NAME",
     "CHECKSUM_VERSION",
+    "IMPLEMENTATIONS",
     "PagedKV",
+    "build_chunk_offsets",
+    "check_chunk_offsets",
+    "check_data_offsets",
     "checksum_chunks",
     "chunk_checksum",
     "gather_kv",
     "gather_kv_layer",
+    "implementation",
+    "one_launch_ops",
     "scatter_kv",
     "scatter_kv_layer",
     "uses_cext",
@@ -154,7 +165,10 @@ def _sglang_views(buffers: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
 
 
 def uses_cext(device: torch.device | str) -> bool:
-    """Whether ops on ``device`` run the CUDA extension (loading it on first use).
+    """Whether ops on ``device`` run the compiled CUDA extension (loading it on first use).
+
+    Whether the one-launch kernel path is open is :func:`one_launch_ops` (the Triton port
+    counts there).
 
     Raises:
         CextUnavailableError: ``LMCACHE_REQUIRE_CEXT=1`` and the extension cannot load.
@@ -163,6 +177,20 @@ def uses_cext(device: torch.device | str) -> bool:
     if dev.type == "cuda" or _cext.required():
         return _cext.load().loaded and dev.type == "cuda"
     return False
+
+
+def one_launch_ops(device: torch.device | str) -> bool:
+    """Whether gather, scatter and checksums on ``device`` run as the kernels do: a fixed
+    number of launches per transfer, all chunks and layers at once, no host wait (the compiled
+    kernels, or their Triton port).
+
+    Connectors take their one-launch kernel path when this holds. Loads the extension (and
+    probes Triton) on first use; without the compiled kernels it logs the one WARNING.
+
+    Raises:
+        CextUnavailableError: ``LMCACHE_REQUIRE_CEXT=1`` and the extension cannot load.
+    """
+    return _dispatch.resolve(device) in ("cuda-kernels", "triton")
 
 
 def _staging_view(staging: torch.Tensor, kv: PagedKV) -> torch.Tensor:
@@ -177,10 +205,21 @@ def _staging_view(staging: torch.Tensor, kv: PagedKV) -> torch.Tensor:
         ) from exc
 
 
-def _offsets(chunk_offsets: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
-    if isinstance(chunk_offsets, torch.Tensor):
-        return chunk_offsets
-    return torch.tensor(list(chunk_offsets), dtype=torch.int64, device=device)
+def _offsets(
+    op: str, chunk_offsets: torch.Tensor | Sequence[int], device: torch.device, num_tokens: int
+) -> torch.Tensor:
+    """Chunk offsets as an int64 tensor on ``device``; host values are checked first."""
+    if isinstance(chunk_offsets, torch.Tensor) and chunk_offsets.device.type != "cpu":
+        return chunk_offsets  # built on the device: trusted (its builder checked it)
+    values = _host_values(chunk_offsets)
+    check_chunk_offsets(op, values, num_tokens)
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _host_values(offsets: torch.Tensor | Sequence[int]) -> list[int]:
+    if isinstance(offsets, torch.Tensor):
+        return [int(x) for x in offsets.reshape(-1).tolist()]  # a CPU tensor: no device wait
+    return [int(x) for x in offsets]
 
 
 def _layer_args(
@@ -212,7 +251,7 @@ def _run(
 ) -> None:
     k, v, first = _layer_args(kv, layers)
     stage = _staging_view(staging, kv)
-    offsets = _offsets(chunk_offsets, stage.device)
+    offsets = _offsets(name, chunk_offsets, stage.device, slots.numel())
     if checksums is not None and not accumulate:
         checksums.zero_()
     args: tuple[Any, ...] = (
@@ -227,8 +266,26 @@ def _run(
         staging_full,
         max_sms,
     )
-    if uses_cext(stage.device):
+    _call(name, stage.device, args)
+
+
+def _call(name: str, device: torch.device, args: tuple[Any, ...]) -> None:
+    """Run op ``name`` with the implementation :func:`implementation` names for ``device``."""
+    impl = _dispatch.resolve(device)
+    if impl == "cuda-kernels":
         getattr(torch.ops.lmcache, name).default(*args)
+    elif impl == "triton":
+        from lmcache.gpu_ops import _triton
+
+        try:
+            getattr(_triton, name)(*args)
+        except ValueError:
+            raise  # an argument error: the same from every implementation
+        except Exception as exc:  # a compile or launch failure: fall back, say so once
+            _dispatch.triton_failed(device, exc)
+            getattr(_vectorized, name)(*args)
+    elif impl == "torch-vectorized":
+        getattr(_vectorized, name)(*args)
     else:
         getattr(_ref, name)(*args)
 
@@ -251,8 +308,10 @@ def gather_kv(
         kv: The paged KV (:class:`PagedKV`).
         slots: ``[num_tokens]`` int64 on the staging's device: the slot of each staged token;
             ``< 0`` skips it (its staging rows are left as they are).
-        chunk_offsets: ``[num_chunks + 1]`` int64 staging token offsets (``0 .. num_tokens``),
-            a device tensor (or a list, uploaded here).
+        chunk_offsets: ``[num_chunks + 1]`` int64 staging token offsets, non-decreasing from 0
+            to ``num_tokens``. A list or CPU tensor is checked here, before any launch, then
+            uploaded; a device tensor is trusted (its builder checks it on the host: reading it
+            back would wait for the device).
         staging: Contiguous device buffer of ``num_tokens * layers * kv.kv_width`` KV elements
             (or the same bytes in another dtype); chunk ``c`` is ``[layers, n_c, kv_width]``.
         checksums: ``[num_chunks]`` int64, or ``None``: receives each chunk's checksum (of the
@@ -264,8 +323,9 @@ def gather_kv(
         max_sms: Use at most this many SMs (0: all).
 
     Raises:
-        ValueError: (reference) or RuntimeError (CUDA): an argument does not match, with what
-            was expected and what was found.
+        ValueError: host ``chunk_offsets`` are malformed (before any launch), or (torch and
+            Triton ops) an argument does not match; RuntimeError from the CUDA op. Each says
+            what was expected and what was found.
         CextUnavailableError: ``LMCACHE_REQUIRE_CEXT=1`` and the extension cannot load.
     """
     _run(
@@ -350,18 +410,20 @@ def checksum_chunks(
 
     Args:
         data: Contiguous tensor of any dtype (e.g. staging just copied from the host).
-        offsets: ``[num_chunks + 1]`` int64 (a tensor on ``data``'s device, or a list).
+        offsets: ``[num_chunks + 1]`` int64, non-decreasing, within the data. A list or CPU
+            tensor is checked here, before any launch; a device tensor is trusted.
         unit_bytes: Bytes per offset unit.
         out: ``[num_chunks]`` int64 to write, or ``None`` (allocated).
 
     Returns:
         ``out``: the checksums as int64 bits (``v % 2**64`` equals :func:`chunk_checksum`).
     """
-    offs = _offsets(offsets, data.device)
+    offs = offsets
+    if not isinstance(offs, torch.Tensor) or offs.device.type == "cpu":
+        values = _host_values(offs)
+        check_data_offsets("checksum_chunks", values, data, unit_bytes)
+        offs = torch.tensor(values, dtype=torch.int64, device=data.device)
     if out is None:
         out = torch.empty(max(offs.numel() - 1, 0), dtype=torch.int64, device=data.device)
-    if uses_cext(data.device):
-        torch.ops.lmcache.checksum_chunks.default(data, offs, unit_bytes, out)
-    else:
-        _ref.checksum_chunks(data, offs, unit_bytes, out)
+    _call("checksum_chunks", data.device, (data, offs, unit_bytes, out))
     return out

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lmcache.gpu_ops._checks import check_chunk_offsets, check_copy, check_index, describe
 from lmcache.gpu_ops.mix64sum import (
     CHECKSUM_NAME,
     CHECKSUM_VERSION,
@@ -63,39 +64,6 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_OF_SIZE[t.element_size()])
 
 
-def _describe(t: torch.Tensor) -> str:
-    return f"shape {list(t.shape)} strides {list(t.stride())} {t.dtype} on {t.device}"
-
-
-def _check_layers(op: str, name: str, layers: Sequence[torch.Tensor], device: torch.device) -> None:
-    for i, t in enumerate(layers):
-        if t.device != device:
-            raise ValueError(f"{op}: expected {name}[{i}] on {device}, found {t.device}.")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{op}: expected {name}[{i}] as a [num_pages, page_size, heads, head_size] view, "
-                f"found {_describe(t)}."
-            )
-        if t.stride(3) != 1 and t.shape[3] != 1:
-            raise ValueError(
-                f"{op}: expected {name}[{i}] to have a contiguous last axis (stride 1), found "
-                f"{_describe(t)}."
-            )
-        first = layers[0]
-        if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype:
-            raise ValueError(
-                f"{op}: expected every layer of {name} like {name}[0] ({_describe(first)}), "
-                f"found {name}[{i}] {_describe(t)}."
-            )
-
-
-def _check_index(op: str, name: str, t: torch.Tensor, device: torch.device) -> None:
-    if t.dtype != torch.int64 or t.dim() != 1:
-        raise ValueError(f"{op}: expected {name} as a 1-D int64 tensor, found {_describe(t)}.")
-    if t.device != device:
-        raise ValueError(f"{op}: expected {name} on {device} (the staging's), found {t.device}.")
-
-
 def _plan(
     op: str,
     k_caches: Sequence[torch.Tensor],
@@ -108,79 +76,23 @@ def _plan(
     total_layers: int,
     staging_full: bool,
 ) -> tuple[list[int], int, int, int]:
-    """Validate like the CUDA op; return ``(offsets, stage_layers, stage_layer0, row_bytes)``."""
-    device = staging.device
-    if not k_caches:
-        raise ValueError(f"{op}: expected at least one layer in k_caches, found none.")
-    if v_caches and len(v_caches) != len(k_caches):
-        raise ValueError(
-            f"{op}: expected v_caches to hold 0 layers (MLA) or {len(k_caches)} like k_caches, "
-            f"found {len(v_caches)}."
-        )
-    _check_layers(op, "k_caches", k_caches, device)
-    _check_layers(op, "v_caches", v_caches, device)
-    k0 = k_caches[0]
-    if v_caches and (v_caches[0].shape[:3] != k0.shape[:3] or v_caches[0].dtype != k0.dtype):
-        raise ValueError(
-            f"{op}: expected v_caches with the pages, page size, heads and dtype of k_caches "
-            f"({_describe(k0)}), found {_describe(v_caches[0])}."
-        )
-    _check_index(op, "slots", slots, device)
-    _check_index(op, "chunk_offsets", chunk_offsets, device)
-    nl = len(k_caches)
-    if first_layer < 0 or total_layers < first_layer + nl:
-        raise ValueError(
-            f"{op}: expected 0 <= first_layer and first_layer + len(k_caches) <= total_layers, "
-            f"found first_layer={first_layer}, {nl} layers, total_layers={total_layers}."
-        )
-    heads = k0.shape[2]
-    head_v = v_caches[0].shape[3] if v_caches else 0
-    width = heads * (k0.shape[3] + head_v)
-    row_bytes = width * k0.element_size()
-    num_tokens = slots.numel()
-    stage_layers = total_layers if staging_full else nl
-    if staging.dtype != k0.dtype or not staging.is_contiguous():
-        raise ValueError(
-            f"{op}: expected a contiguous staging tensor of dtype {k0.dtype} (the KV dtype), "
-            f"found {_describe(staging)}."
-        )
-    expected = num_tokens * stage_layers * width
-    if staging.numel() != expected:
-        raise ValueError(
-            f"{op}: expected staging of num_tokens * layers * kv_width = {num_tokens} * "
-            f"{stage_layers} * {width} = {expected} elements (layout [chunk][layer][token]"
-            f"[kv_width]), found {staging.numel()}."
-        )
-    if chunk_offsets.numel() < 1:
-        raise ValueError(f"{op}: expected chunk_offsets [num_chunks + 1], found none.")
+    """Validate like the CUDA op, the offsets' values included (read back here: the reference
+    may wait); return ``(offsets, stage_layers, stage_layer0, row_bytes)``."""
+    plan = check_copy(
+        op,
+        k_caches,
+        v_caches,
+        slots,
+        chunk_offsets,
+        staging,
+        checksums,
+        first_layer,
+        total_layers,
+        staging_full,
+    )
     offsets = [int(x) for x in chunk_offsets.tolist()]
-    if (
-        offsets[0] != 0
-        or offsets[-1] != num_tokens
-        or any(a > b for a, b in itertools.pairwise(offsets))
-    ):
-        raise ValueError(
-            f"{op}: expected chunk_offsets non-decreasing from 0 to num_tokens={num_tokens}, "
-            f"found {offsets[:8]}{'...' if len(offsets) > 8 else ''} (last {offsets[-1]})."
-        )
-    if checksums is not None:
-        if (
-            checksums.dtype != torch.int64
-            or not checksums.is_contiguous()
-            or checksums.numel() != len(offsets) - 1
-            or checksums.device != device
-        ):
-            raise ValueError(
-                f"{op}: expected checksums as a contiguous int64 tensor of num_chunks = "
-                f"{len(offsets) - 1} entries on {device}, found {_describe(checksums)}."
-            )
-        if row_bytes % 8 and not (first_layer == 0 and nl == total_layers):
-            raise ValueError(
-                f"{op}: checksums of a layer range need rows of a multiple of 8 bytes; found "
-                f"rows of {row_bytes} bytes and layers [{first_layer}, {first_layer + nl}) of "
-                f"{total_layers}: move all layers in one call, or pass checksums=None."
-            )
-    return offsets, stage_layers, first_layer if staging_full else 0, row_bytes
+    check_chunk_offsets(op, offsets, plan.num_tokens)
+    return offsets, plan.stage_layers, plan.stage_layer0, plan.row_bytes
 
 
 def _rows(
@@ -387,7 +299,7 @@ def checksum_chunks(
     """
     op = "checksum_chunks"
     raw = _bytes_of(data)
-    _check_index(op, "offsets", offsets, data.device)
+    check_index(op, "offsets", offsets, data.device)
     if unit_bytes <= 0:
         raise ValueError(f"{op}: expected unit_bytes > 0, found {unit_bytes}.")
     offs = [int(x) for x in offsets.tolist()]
@@ -404,7 +316,7 @@ def checksum_chunks(
     if out.dtype != torch.int64 or out.numel() != len(offs) - 1 or not out.is_contiguous():
         raise ValueError(
             f"{op}: expected out as a contiguous int64 tensor of {len(offs) - 1} entries, found "
-            f"{_describe(out)}."
+            f"{describe(out)}."
         )
     values = [
         _signed(chunk_checksum(raw[a * unit_bytes : b * unit_bytes]))

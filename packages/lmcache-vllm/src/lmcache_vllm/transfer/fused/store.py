@@ -190,16 +190,18 @@ class FusedStore(FusedViews):
         return checksums
 
     kernel_gather: bool = True
-    """Store through the ``gather_kv`` kernel when the extension is loaded: one launch for
-    every chunk and the layers stored, each chunk's sum computed in the same pass."""
+    """Store through the ``gather_kv`` kernel when it runs as one launch on this device (the
+    compiled kernels or their Triton port, :func:`lmcache.gpu_ops.one_launch_ops`): one launch
+    for every chunk and the layers stored, each chunk's sum computed in the same pass."""
 
     def _kernel_store(self, transfer: TransferSpec) -> bool:
-        """Whether a store goes through :meth:`_store_by_kernel`: the kernel is on and loaded,
-        and the slot mapping is on the host (checked there, with no sync)."""
+        """Whether a store goes through :meth:`_store_by_kernel`: the kernel is on and runs as
+        one launch here (compiled or Triton), and the slot mapping is on the host (checked
+        there, with no sync)."""
         return (
             self.kernel_gather
             and transfer.slot_mapping.device.type == "cpu"
-            and gpu_ops.uses_cext(self.device)
+            and gpu_ops.one_launch_ops(self.device)
         )
 
     def _store_by_kernel(

@@ -3,7 +3,7 @@
 
 :class:`ChunkChecksums` belongs to one :class:`~lmcache_vllm.transfer.fused.transfer.FusedTransfer`
 on a device with streams. It uses the ``torch.ops.lmcache`` kernels through :mod:`lmcache.gpu_ops`
-(the pure-torch reference where the extension is absent).
+(their Triton port or vectorized torch where the compiled kernels are absent).
 
 - **Store.** Once a call's gathers have filled the chunk-major staging buffer, one
   ``checksum_chunks`` launch sums every chunk's bytes there. The sums go to a pinned host
@@ -24,7 +24,6 @@ Nothing here waits for the device. This module never imports vLLM.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -77,8 +76,9 @@ class LoadIndex:
 
 
 def _offsets(counts: Sequence[int]) -> list[int]:
-    """``[len(counts) + 1]`` running offsets of consecutive ranges of ``counts`` units."""
-    return [0, *itertools.accumulate(counts)]
+    """``[len(counts) + 1]`` running offsets of consecutive ranges of ``counts`` units, checked
+    on the host (the kernels trust the device copy)."""
+    return gpu_ops.build_chunk_offsets(counts)
 
 
 class ChunkChecksums:
@@ -255,6 +255,7 @@ class ChunkChecksums:
     ) -> torch.Tensor:
         """Enqueue: whether each byte range ``[bounds[i], bounds[i + 1])`` of ``data`` sums to
         ``expected[i]`` (a host tensor, readable once the stream's work completes)."""
+        gpu_ops.check_data_offsets("verify_chunks", bounds, data, 1)  # host values: no wait
         dev = self.checks.upload(
             torch.tensor([*bounds, *expected_sums(expected)], dtype=torch.int64)
         )
