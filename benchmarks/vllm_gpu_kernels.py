@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ROWS = ("base", "wheel", "jit", "nobinary")
+ROWS = ("wheel", "jit", "nobinary", "base")
 
 
 def _child(row: str, model: Path, tokens: int, reps: int, layers: int) -> dict[str, Any]:
@@ -86,30 +86,49 @@ def _env(row: str, cuda_home: str | None) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--layers", type=int, choices=(8, 32), default=32)
+    parser.add_argument("--layers", type=int, choices=(2, 8, 32), default=32)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--cuda-home", default=None, help="toolkit for the jit row")
+    parser.add_argument(
+        "--smoke", action="store_true", help="2 layers, 1k tokens, rows base and nobinary (CPU)"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.smoke:
+        args.tokens, args.layers, args.rows = min(args.tokens, 1024), 2, "base,nobinary"
     if args.child:
         result = _child(args.child, Path(args.model), args.tokens, args.reps, args.layers)
         print("RESULT " + json.dumps(result), flush=True)
         return
     from lmcache_vllm.testing import build_tiny_llama
 
-    folder = Path(tempfile.gettempdir()) / "lmcache-bench" / f"llama3-8b-geometry-l{args.layers}"
+    geometry = (
+        {
+            "hidden_size": 256,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 64,
+            "intermediate_size": 512,
+        }
+        if args.smoke
+        else {
+            "hidden_size": 4096,
+            "num_heads": 32,
+            "num_kv_heads": 8,
+            "head_dim": 128,
+            "intermediate_size": 8192 if args.layers == 8 else 4096,
+        }
+    )
+    name = "smoke" if args.smoke else "llama3-8b-geometry"
+    folder = Path(tempfile.gettempdir()) / "lmcache-bench" / f"{name}-l{args.layers}"
     model = build_tiny_llama(
         folder,
         num_layers=args.layers,
         max_position_embeddings=args.tokens + 1024,
-        hidden_size=4096,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
         vocab_size=32000,
-        intermediate_size=8192 if args.layers == 8 else 4096,
+        **geometry,
     )
     results: dict[str, dict[str, Any]] = {}
     for row in args.rows.split(","):
@@ -128,6 +147,7 @@ def main() -> None:
             print(f"row {row} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
             continue
         results[row] = json.loads(lines[-1][len("RESULT ") :])
+        print(f"row {row}: {results[row]}", flush=True)  # kept if a time limit cuts the run
     _table(results, args)
 
 
