@@ -99,7 +99,7 @@ void check_layers(const char* op, const char* name, const std::vector<Tensor>& l
     }
     if (i > 0) {
       const Tensor& f = layers[0];
-      LMC_CHECK(t.sizes() == f.sizes() && t.strides() == f.strides() &&
+      LMC_CHECK(t.sizes().equals(f.sizes()) && t.strides().equals(f.strides()) &&
                       t.scalar_type() == f.scalar_type(),
                   op, ": expected every layer of ", name, " like ", name, "[0] (", describe(f),
                   "), found ", name, "[", i, "] ", describe(t));
