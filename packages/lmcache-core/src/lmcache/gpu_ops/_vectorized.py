@@ -213,7 +213,8 @@ def scatter_kv(
         vals = stage[rows[:, token]]
         page, off = page[token], off[token]
         keep = caches.read(page[:1], off[:1])  # no token moves: slot 0's bytes go back
-        vals = torch.where(valid[first], vals, keep)
+        # index_select, not valid[first]: indexing by a 0-d device tensor reads it on the host.
+        vals = torch.where(valid.index_select(0, first.view(1)), vals, keep)
         caches.write(page, off, vals)
     if checksums is not None:
         _copy_sums(
