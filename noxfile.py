@@ -424,12 +424,21 @@ VLLM_GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMP
 GPU_PACKAGES = ("lmcache-core", "lmcache-vllm", "lmcache-sglang")
 
 
+# pytest's exit code when a run selected no test: with `nox -s gpu -- -k NAME`, one of the
+# session's runs may hold no match (NAME is an SGLang test, say) while another does.
+NO_TESTS_COLLECTED = 5
+
+
 def _pytest_gpu(
     session: nox.Session, paths: list[str], site: str | None, env: dict[str, str]
-) -> None:
+) -> bool:
+    """One pytest run of GPU tests; whether it selected any (a run with no match passes)."""
     import sys
+    from xml.etree import ElementTree
 
     path = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
+    report = pathlib.Path(session.create_tmp()) / "gpu-run.xml"
+    report.unlink(missing_ok=True)
     session.run(
         sys.executable,
         "-m",
@@ -440,10 +449,15 @@ def _pytest_gpu(
         "-rs",
         "-p",
         "no:cacheprovider",
+        f"--junitxml={report}",
         *paths,
         *session.posargs,
         env={**GPU_ENV, **env, **({"PYTHONPATH": path} if path else {})},
+        success_codes=[0, NO_TESTS_COLLECTED],
     )
+    # Test cases, not modules skipped at collection (those are listed with an empty classname).
+    cases = ElementTree.parse(report).getroot().iter("testcase")
+    return any(case.get("classname") for case in cases)
 
 
 @nox.session(python=False)
@@ -489,10 +503,14 @@ def gpu(session: nox.Session) -> None:
             )
     unit = ["packages/lmcache-core/tests", "packages/lmcache-vllm/tests/unit"]
     vllm_paths = ["packages/lmcache-vllm/tests/gpu"] if "vllm" in sites else []
-    _pytest_gpu(session, unit + vllm_paths, sites.get("vllm"), VLLM_GPU_ENV if vllm_paths else {})
+    ran = _pytest_gpu(
+        session, unit + vllm_paths, sites.get("vllm"), VLLM_GPU_ENV if vllm_paths else {}
+    )
     # A run of its own: lmcache-vllm's and lmcache-sglang's test folders are both the package
     # ``tests``, so one pytest run would import one's modules for the other's.
     sglang = ["packages/lmcache-sglang/tests/unit"]
     if "sglang" in sites:
         sglang.append("packages/lmcache-sglang/tests/gpu")
-    _pytest_gpu(session, sglang, sites.get("sglang"), {})
+    ran = _pytest_gpu(session, sglang, sites.get("sglang"), {}) or ran
+    if not ran:
+        session.error(f"no GPU test matched {' '.join(session.posargs) or 'the default selection'}")

@@ -6,6 +6,7 @@ GPU (skips otherwise)."""
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -61,8 +62,16 @@ def test_pinned_empty_is_exact_and_page_locked(cuda: CudaBackend, nbytes: int) -
 
 
 def test_small_pinned_buffers_do_not_share_pages(cuda: CudaBackend) -> None:
-    many = [cuda.pinned_empty(16) for _ in range(64)]  # would fail if two shared a page
+    """Each small buffer is page-locked on pages of its own: a DMA into one can never land in a
+    page that another caller holds."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    many = [cuda.pinned_empty(16) for _ in range(64)]
     assert all(t.is_pinned() for t in many)
+    owner: dict[int, int] = {}
+    for i, t in enumerate(many):
+        first, last = t.data_ptr() // page, (t.data_ptr() + t.numel() - 1) // page
+        for p in range(first, last + 1):
+            assert owner.setdefault(p, i) == i, f"buffers {owner[p]} and {i} share page {p:#x}"
 
 
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])

@@ -44,9 +44,8 @@ class SlotIndices:
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks
         self.by_slot = by_slot
-        # Persistent pinned host buffers (CUDA): index uploads and the slot-range answer.
+        # Persistent pinned host buffers (CUDA): index uploads.
         self.uploads = UploadRing(backend, cache.device)
-        self._pinned_lo_hi: torch.Tensor | None = None
 
     def build(self, plan: StagingPlan, transfer: TransferSpec) -> tuple[torch.Tensor, Any]:
         """``(indices, check)``: ``[1, total]`` slots or ``[2, total]`` (block, offset) of the
@@ -87,9 +86,10 @@ class SlotIndices:
         slots = slots.to(self.device, torch.int64)
         on_dev = kept_pos.to(self.device) if isinstance(kept_pos, torch.Tensor) else kept_pos
         kept = slots if on_dev is None else slots[on_dev]
-        if self._pinned_lo_hi is None:
-            self._pinned_lo_hi = self._pinned_int64(2)
-        lo_hi = self._pinned_lo_hi  # read back within this call (check), so reuse is safe
+        # A buffer per call: a store and a load build on different threads, and each call's
+        # check() may run after another call's copy. torch's copy records the stream, so its
+        # pinned allocator hands the block out again only after the copy has landed.
+        lo_hi = self._pinned_int64(2)
         lo_hi.copy_(torch.stack(torch.aminmax(kept)), non_blocking=True)
         answered = self.backend.event_after(self.backend.current_stream(self.device))
         slots = slots.clamp(0, limit - 1)
@@ -123,4 +123,3 @@ class SlotIndices:
     def close(self) -> None:
         """Drop the pinned buffers."""
         self.uploads.close()
-        self._pinned_lo_hi = None
