@@ -20,9 +20,10 @@ import shutil
 # Triton's interpreter runs the kernels on CPU tensors; set before Triton is imported. Never on a
 # GPU machine: the variable would reach the GPU tests collected in the same pytest process
 # (``nox -s gpu``), where Triton must compile for the device (tests/gpu checks it there).
-ON_GPU_MACHINE = shutil.which("nvidia-smi") is not None or os.path.exists("/dev/nvidia0")
-if not ON_GPU_MACHINE:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault(
+    "TRITON_INTERPRET",
+    "0" if shutil.which("nvidia-smi") or os.path.exists("/dev/nvidia0") else "1",
+)
 
 import importlib.util
 import itertools
@@ -47,6 +48,7 @@ from lmcache.gpu_ops.testing import (
 )
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+ON_GPU_MACHINE = shutil.which("nvidia-smi") is not None or os.path.exists("/dev/nvidia0")
 IMPLS = [
     "vectorized",
     pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="pip install triton")),
