@@ -46,23 +46,22 @@ def dist_version(dist: str) -> str:
 def kernels_for(device: str | torch.device) -> str:
     """Which implementation of lmcache's KV copy ops serves ``device``.
 
-    ``lmcache.gpu_ops.implementation(device)`` where that function exists (e.g.
-    ``"cuda-kernels (wheel, sm_80..sm_120)"``, ``"cuda-kernels (jit)"``, ``"triton"``,
-    ``"torch-vectorized"``, ``"torch-reference"``); without it, ``"torch-reference"`` for a
-    non-CUDA device and ``"unknown"`` for CUDA. A CPU device adds ``"(CPU path, no CUDA
-    kernels)"``.
+    ``lmcache.gpu_ops.implementation(device)`` (``"cuda-kernels"``, ``"triton"``,
+    ``"torch-vectorized"``, ``"torch-reference"``); compiled kernels add where they came from and
+    the GPU code they hold (``"cuda-kernels (wheel: sm_75, ..., compute_120)"``). A CPU device adds
+    ``"(CPU path, no CUDA kernels)"``.
     """
     dev = torch.device(device)
     from lmcache import gpu_ops
+    from lmcache.gpu_ops import _cext
 
-    implementation = getattr(gpu_ops, "implementation", None)
-    if implementation is not None:
-        try:
-            name = str(implementation(dev))
-        except Exception as exc:  # the banner must never stop an engine
-            name = f"unknown ({type(exc).__name__}: {exc})"
-    else:
-        name = "unknown" if dev.type == "cuda" else "torch-reference"
+    try:
+        name = str(gpu_ops.implementation(dev))
+    except Exception as exc:  # the banner must never stop an engine
+        return f"unknown ({type(exc).__name__}: {exc})"
+    status = _cext.status()
+    if name == "cuda-kernels" and status.loaded:
+        name += f" ({status.mode}: {', '.join(status.archs) or 'architectures unknown'})"
     return f"{name} ({CPU_NOTE})" if dev.type == "cpu" else name
 
 

@@ -11,6 +11,7 @@ import pytest
 
 import lmcache
 from lmcache import banner, gpu_ops
+from lmcache.gpu_ops import _cext
 
 
 @pytest.fixture(autouse=True)
@@ -38,12 +39,16 @@ def test_missing_distribution_is_named() -> None:
     assert banner.dist_version("lmcache-no-such-dist") == "not installed"
 
 
-def test_kernels_without_gpu_ops_implementation(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before ``gpu_ops.implementation`` exists: the torch reference off CUDA, unknown on CUDA."""
-    monkeypatch.delattr(gpu_ops, "implementation", raising=False)
-    assert banner.kernels_for("cpu") == "torch-reference (CPU path, no CUDA kernels)"
-    assert banner.kernels_for("xpu:0") == "torch-reference"
-    assert banner.kernels_for("cuda:0") == "unknown"
+def test_kernels_name_where_compiled_kernels_came_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled kernels add their source (wheel or JIT) and the GPU code they hold."""
+    monkeypatch.setattr(gpu_ops, "implementation", lambda device: "cuda-kernels")
+    loaded = _cext.CextStatus(
+        True, "wheel", "/x/liblmcache_kernels.so", 0.1, ("sm_90", "compute_120")
+    )
+    monkeypatch.setattr(_cext, "_STATUS", loaded)
+    assert banner.kernels_for("cuda:0") == "cuda-kernels (wheel: sm_90, compute_120)"
+    monkeypatch.setattr(gpu_ops, "implementation", lambda device: "triton")
+    assert banner.kernels_for("cuda:0") == "triton"
 
 
 def test_kernels_from_gpu_ops_implementation(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,10 +56,10 @@ def test_kernels_from_gpu_ops_implementation(monkeypatch: pytest.MonkeyPatch) ->
 
     def implementation(device: object) -> str:
         seen.append(device)
-        return "torch-vectorized" if str(device) == "cpu" else "cuda-kernels (jit)"
+        return "torch-vectorized" if str(device) == "cpu" else "triton"
 
-    monkeypatch.setattr(gpu_ops, "implementation", implementation, raising=False)
-    assert banner.kernels_for("cuda:1") == "cuda-kernels (jit)"
+    monkeypatch.setattr(gpu_ops, "implementation", implementation)
+    assert banner.kernels_for("cuda:1") == "triton"
     assert banner.kernels_for("cpu") == "torch-vectorized (CPU path, no CUDA kernels)"
     assert [str(d) for d in seen] == ["cuda:1", "cpu"]
 
