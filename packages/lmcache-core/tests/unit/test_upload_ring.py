@@ -14,11 +14,13 @@ CPU = torch.device("cpu")
 
 
 class BusyBackend(RecordingBackend):
-    """Events never complete on their own: only ``event_synchronize`` waits for them."""
+    """Events complete only once ``done`` is set (or through ``event_synchronize``)."""
+
+    done = False
 
     def event_query(self, event: object) -> bool:
         super().event_query(event)
-        return False
+        return self.done
 
 
 def test_uploads_equal_the_host_tensors_and_reuse_one_buffer() -> None:
@@ -45,16 +47,26 @@ def test_shape_is_kept_and_a_bigger_upload_grows_the_buffer() -> None:
     assert [c.detail for c in backend.of("pinned_empty")] == [(24 * 8,), (100 * 8,)]
 
 
-def test_a_busy_ring_grows_to_its_size_then_waits_for_the_oldest() -> None:
+def test_a_busy_ring_never_waits_and_holds_extra_buffers_until_their_uploads_finish() -> None:
+    """The ring grows to its size; past it, uploads take extra buffers instead of waiting for
+    the device (the caller is the engine's thread). An extra buffer is kept until its own copy
+    has finished, then dropped, never reused while the device may still read it."""
     backend = BusyBackend("cuda")
     ring = UploadRing(backend, CPU, slots=3, min_numel=4)
     hosts = [torch.full((4,), i, dtype=torch.int64) for i in range(5)]
     got = [ring.upload(h) for h in hosts]
     assert all(torch.equal(g, h) for g, h in zip(got, hosts, strict=True))
-    assert len(backend.of("pinned_empty")) == 3  # never more buffers than slots
-    assert len(backend.of("event_synchronize")) == 2  # the 4th and 5th waited for the oldest
+    assert len(backend.of("pinned_empty")) == 5  # 3 kept, 2 extra
+    assert backend.of("event_synchronize") == []  # nobody waited
+    extra = [slot[0].data_ptr() for slot in ring._extra]
+    kept = [slot[0].data_ptr() for slot in ring._ring]
+    assert len(extra) == 2 and not set(extra) & set(kept)
+    backend.done = True  # every copy so far has finished
+    assert torch.equal(ring.upload(hosts[0]), hosts[0])
+    assert ring._extra == []  # dropped once finished
+    assert len(backend.of("pinned_empty")) == 5  # a kept buffer served the next upload
     ring.close()
-    assert len(backend.of("event_synchronize")) == 5  # close waits for the three queued
+    assert len(backend.of("event_synchronize")) == 3  # close waits for the three kept ones
 
 
 def test_without_streams_the_upload_is_a_plain_copy() -> None:

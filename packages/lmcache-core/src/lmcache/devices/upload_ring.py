@@ -5,7 +5,10 @@ allocating page-locked memory per call.
 Allocating page-locked memory costs a driver call each time, and CUDA may order work on
 other streams around it: a load's index upload could then stall a concurrent store's copies.
 :class:`UploadRing` keeps a few page-locked buffers and reuses each once its last upload has
-finished on the device.
+finished on the device. It never waits for the device: uploads are enqueued from the engine's
+own thread, behind its forward pass, so a wait there would hold the engine until that pass ends.
+With every kept buffer busy, an upload takes an extra buffer, held (not reused, not freed) until
+its copy has finished: the copy may be a raw DMA that torch's allocator does not know about.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class UploadRing:
         self.slots = slots
         self.min_numel = min_numel
         self._ring: list[list[Any]] = []  # [page-locked int64 buffer, event of its last upload]
+        self._extra: list[list[Any]] = []  # the same, taken while the ring was busy
         # Taking a slot, filling it and recording its upload is one step under this lock: a
         # store may be planned on one thread while a load runs on another.
         self._lock = threading.Lock()
@@ -70,20 +74,18 @@ class UploadRing:
         """A ``[buffer of at least numel, None]`` slot whose last upload has finished (the caller
         holds the lock and records its new upload's event in slot ``[1]``).
 
-        A buffer whose upload is still queued is skipped rather than waited for. Only with the
-        whole ring busy does this wait, for the oldest.
+        A buffer whose upload is still queued is skipped, never waited for. With the whole ring
+        busy, the slot is an extra buffer, dropped once its upload has finished.
         """
+        self._extra = [s for s in self._extra if not self.backend.event_query(s[1])]
         ring = self._ring
         for slot in ring:
             if slot[1] is None or self.backend.event_query(slot[1]):
                 break
         else:
-            if len(ring) < self.slots:
-                slot = [self._pinned(max(numel, self.min_numel)), None]
-                ring.append(slot)
-                return slot
-            slot = ring[0]
-            self.backend.event_synchronize(slot[1])
+            slot = [self._pinned(max(numel, self.min_numel)), None]
+            (ring if len(ring) < self.slots else self._extra).append(slot)
+            return slot
         if slot[0].numel() < numel:
             slot[0] = self._pinned(max(numel, 2 * slot[0].numel()))
         slot[1] = None
@@ -97,7 +99,8 @@ class UploadRing:
     def close(self) -> None:
         """Wait for the uploads still queued, then drop the buffers."""
         with self._lock:
-            for _, event in self._ring:
+            for _, event in self._ring + self._extra:
                 if event is not None:
                     self.backend.event_synchronize(event)
             self._ring = []
+            self._extra = []
