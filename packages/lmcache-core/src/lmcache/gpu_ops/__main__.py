@@ -36,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
             f"wheel kernels: {_cext.WHEEL_LIBRARY}: {', '.join(info.get('archs', []))}; CUDA "
             f"{info.get('cuda')}; torch stable ABI {info.get('torch_abi')}+; glibc {info.get('glibc')}+"
         )
-    status = _cext.load()
+    try:
+        status = _cext.load()
+    except _cext.CextUnavailableError as exc:  # LMCACHE_REQUIRE_CEXT=1
+        print(f"kernels not loaded: {exc}")
+        return 1
     state = "loaded" if status.loaded else "not loaded"
     print(f"kernels {state} ({status.mode}): {status.detail}")
     if status.archs:
