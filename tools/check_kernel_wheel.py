@@ -25,16 +25,13 @@ from pathlib import Path
 
 LIBRARY = "lmcache/lib/liblmcache_kernels.so"
 INFO = "lmcache/lib/build_info.json"
-SCHEMAS = {
-    "gather_kv": "lmcache::gather_kv(Tensor[] k_caches, Tensor[] v_caches, Tensor slots, "
-    "Tensor chunk_offsets, Tensor(a!) staging, Tensor(b!)? checksums, int first_layer, "
-    "int total_layers, bool staging_full, int max_sms) -> ()",
-    "scatter_kv": "lmcache::scatter_kv(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, "
-    "Tensor chunk_offsets, Tensor staging, Tensor(c!)? checksums, int first_layer, "
-    "int total_layers, bool staging_full, int max_sms) -> ()",
-    "checksum_chunks": "lmcache::checksum_chunks(Tensor data, Tensor offsets, int unit_bytes, "
-    "Tensor(a!) out) -> ()",
-}
+BINDINGS = Path(__file__).resolve().parents[1] / "csrc" / "torch_bindings.cpp"
+
+
+def _schemas() -> dict[str, str]:
+    """``{op: schema}`` as ``csrc/torch_bindings.cpp`` defines them (what torch must report)."""
+    found = re.findall(r'm\.def\("([^"]+)"\);', BINDINGS.read_text(encoding="utf-8"))
+    return {d.split("(")[0]: f"lmcache::{d}" for d in found}
 
 
 def _fail(message: str) -> None:
@@ -87,6 +84,9 @@ print(json.dumps({"torch": torch.__version__, "schemas": schemas, "cuda": cuda})
 
 
 def load(wheel: Path) -> None:
+    schemas = _schemas()
+    if set(schemas) != {"gather_kv", "scatter_kv", "checksum_chunks"}:
+        _fail(f"{BINDINGS} defines {sorted(schemas)}, expected the three lmcache ops")
     with tempfile.TemporaryDirectory() as target:
         subprocess.run(
             [
@@ -104,7 +104,7 @@ def load(wheel: Path) -> None:
             check=True,
         )
         out = subprocess.run(
-            [sys.executable, "-c", _LOAD, target, json.dumps(list(SCHEMAS))],
+            [sys.executable, "-c", _LOAD, target, json.dumps(list(schemas))],
             capture_output=True,
             text=True,
             check=False,
@@ -112,7 +112,7 @@ def load(wheel: Path) -> None:
         if out.returncode != 0:
             _fail(f"loading the wheel's library failed:\n{out.stderr[-3000:]}")
         result = json.loads(out.stdout.strip().splitlines()[-1])
-        for name, schema in SCHEMAS.items():
+        for name, schema in schemas.items():
             if result["schemas"][name] != schema:
                 _fail(f"{name}: schema {result['schemas'][name]!r}, expected {schema!r}")
             if not result["cuda"][name]:
@@ -123,7 +123,7 @@ def load(wheel: Path) -> None:
         )
         if report.returncode != 0:
             _fail(f"python -m lmcache.gpu_ops failed:\n{report.stderr[-3000:]}")
-    print(f"{wheel.name} loads with torch {result['torch']}: {', '.join(SCHEMAS)} registered")
+    print(f"{wheel.name} loads with torch {result['torch']}: {', '.join(schemas)} registered")
     print(report.stdout.strip())
 
 

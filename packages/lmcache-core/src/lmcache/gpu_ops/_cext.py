@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -176,13 +175,13 @@ def covers(archs: tuple[str, ...] | list[str], capability: tuple[int, int]) -> b
 
 
 def cache_dir(archs: str) -> Path:
-    """Folder of a JIT build for these sources, torch, Python and architectures."""
+    """Folder of a JIT build for these sources, torch and architectures (the library has no
+    Python ABI: every Python shares it)."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmcache"
     key = "|".join(
         [
             kernel_build.sources_hash(sources_dir()),
             torch.__version__,
-            f"{sys.version_info.major}.{sys.version_info.minor}",
             archs,
         ]
     )

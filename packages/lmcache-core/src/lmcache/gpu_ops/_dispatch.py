@@ -25,15 +25,12 @@ import torch
 
 from lmcache.gpu_ops import _cext
 
-__all__ = ["FIX", "IMPLEMENTATIONS", "implementation", "resolve", "triton_failed"]
+__all__ = ["IMPLEMENTATIONS", "implementation", "resolve", "triton_failed"]
 
 logger = logging.getLogger("lmcache.gpu_ops")
 
 IMPLEMENTATIONS = ("cuda-kernels", "triton", "torch-vectorized", "torch-reference")
 """What :func:`implementation` may return, fastest first."""
-
-FIX = _cext.FIX
-"""How to get the compiled kernels, as the WARNING says it."""
 
 _PROBE_SUM = 0x05EB0B8E2D0277F8  # checksum of bytes 0..15 (a pinned vector of the checksum)
 
@@ -109,10 +106,10 @@ def _warn_once(device: torch.device, name: str) -> None:
     status = _cext.status()
     if status.mode == "disabled":
         cause = f"lmcache's CUDA kernels are disabled on purpose ({_cext.DISABLE_ENV}=1 is set)"
-        fix = f"unset {_cext.DISABLE_ENV} to use them; where they are not built, {FIX}"
+        fix = f"unset {_cext.DISABLE_ENV} to use them; where they are not built, {_cext.FIX}"
     else:
         cause = f"lmcache's CUDA kernels are not loaded ({status.detail})"
-        fix = FIX
+        fix = _cext.FIX
     if name == "triton":
         fallback = "their Triton port (the same bytes and checksums, compiled here by Triton)"
     else:
@@ -138,5 +135,5 @@ def triton_failed(device: torch.device, exc: BaseException) -> None:
         "now on. Fix: %s.",
         _triton_why,
         device,
-        FIX,
+        _cext.FIX,
     )
