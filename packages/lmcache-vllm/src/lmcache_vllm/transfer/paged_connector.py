@@ -154,15 +154,17 @@ class VLLMPagedConnector(LayerRangeConnector):
         # copy of this connector goes through this backend.
         self.backend: DeviceBackend = get_backend(self.device)
         use_staging = bool(getattr(config, "gpu_staging_buffer", True))
-        self.transfer: PagedTransfer = self._choose_transfer(use_staging)
+        # stores sum on the device unless the configuration turned checksums off
+        checksums = config.checksum_for(self.device.type, on_device=True)
+        self.transfer: PagedTransfer = self._choose_transfer(use_staging, checksums)
 
-    def _choose_transfer(self, use_staging: bool) -> PagedTransfer:
+    def _choose_transfer(self, use_staging: bool, checksums: bool) -> PagedTransfer:
         """The transfer strategy of this cache (see the module docstring)."""
         cache, on_cpu = self.cache, self.device.type == "cpu"
         if cache.kv_format == "cpu_kt_v" and on_cpu:
             return CpuBlockTransfer(cache)  # the block path, no staging
         if cache.kv_format in ("kv_concat", "mla") and (on_cpu or use_staging):
-            fused = FusedTransfer.for_cache(cache, self.backend)
+            fused = FusedTransfer.for_cache(cache, self.backend, checksums)
             if fused is not None:
                 return fused
         staging = self.device if use_staging else torch.device("cpu")

@@ -60,7 +60,9 @@ class HitPrefetcher:
         The hit is cut before the first bad chunk.
         vLLM is then promised only verified tokens: a bad chunk is a miss, not a load error.
         vLLM's default ``kv_load_failure_policy`` would turn a load error into a failed request.
-        The load verifies the bytes again as it scatters them.
+        A check of the prefetch's copy stays with it: the load scatters those bytes unchecked.
+        A hit checked through the scratch buffer crosses PCIe again at its load, and is
+        verified again there, as its bytes are new.
         """
         connector = engine.gpu_connector
         if (

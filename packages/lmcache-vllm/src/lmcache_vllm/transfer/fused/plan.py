@@ -179,6 +179,17 @@ class Prefetched:
     # of the last load from this copy: a layerwise load scatters it in several layer groups
     # with the same indices
     scatter_plan: tuple[Any, ...] | None = None
+    # (start, end, host buffer ptr) -> the stored sum this device copy matched at lookup
+    verified: dict[tuple[int, int, int], int] = field(default_factory=dict)
+
+    def verified_all(self, chunks: Sequence[ChunkTransfer]) -> bool:
+        """Whether every chunk with a stored sum was verified in this very device copy, against
+        that sum (a load from it then scatters without a second check)."""
+        return all(
+            c.checksum is None
+            or self.verified.get((c.start, c.end, c.buffer.data_ptr())) == c.checksum
+            for c in chunks
+        )
 
     def event_for(self, stop: int) -> Any:
         """The event after which layers ``0 .. stop - 1`` of every chunk are on the device."""

@@ -94,9 +94,9 @@ class FusedStore(FusedViews):
         layers its checksum, with some a part the engine adds up."""
         backend = self.backend
         sums: StoreChecksums | None = None
-        summing = self._sums is not None and len(layers) == self.num_layers
+        summing = self._sums is not None and self.checksums and len(layers) == self.num_layers
         deferred = transfer.deferred and transfer.stream is not None and backend.has_streams
-        if (summing or self._sums_layers()) and self._kernel_store(transfer):
+        if (summing or self._sums_layers() or not self.checksums) and self._kernel_store(transfer):
             return self._store_by_kernel(layers, chunks, transfer, deferred)
         try:
             prep = transfer.prepared
@@ -153,7 +153,11 @@ class FusedStore(FusedViews):
     def _sums_layers(self) -> bool:
         """Whether a store of some layers can sum them on the device: the kernels sum a layer
         range only over whole 64-bit words of each token's row."""
-        return self._sums is not None and self.kv_width * self._caches[0].element_size() % 8 == 0
+        return (
+            self._sums is not None
+            and self.checksums
+            and self.kv_width * self._caches[0].element_size() % 8 == 0
+        )
 
     def _kernel_store_plan(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
@@ -171,13 +175,13 @@ class FusedStore(FusedViews):
         staging: torch.Tensor,
         copy: Any,
         transfer: TransferSpec,
-    ) -> StoreChecksums:
-        """Gather piece ``i + 1`` (summing its chunks) while piece ``i`` goes to the host on
-        ``copy``; the current stream waits for the copies at the end."""
+    ) -> StoreChecksums | None:
+        """Gather piece ``i + 1`` (summing its chunks when :attr:`checksums`) while piece ``i``
+        goes to the host on ``copy``; the current stream waits for the copies at the end."""
         assert self._sums is not None
         backend = self.backend
         main = backend.current_stream(self.device)
-        sums = self._sums.new_sums(len(index.positions))
+        sums = self._sums.new_sums(len(index.positions)) if self.checksums else None
         for piece, span in enumerate(piece_spans(plan)):
             self._sums.gather_span(index, staging, sums, span)
             backend.wait_stream(copy, main)
@@ -185,7 +189,7 @@ class FusedStore(FusedViews):
                 self._copy_runs(plan, staging, to_host=True, piece=piece)
         if transfer.on_engine_read is not None:
             transfer.on_engine_read()  # every gather is enqueued
-        checksums = self._sums.sums_to_host(sums)
+        checksums = None if sums is None else self._sums.sums_to_host(sums)
         backend.wait_stream(main, copy)
         return checksums
 
@@ -210,9 +214,10 @@ class FusedStore(FusedViews):
         chunks: Sequence[ChunkTransfer],
         transfer: TransferSpec,
         deferred: bool,
-    ) -> StoreChecksums:
+    ) -> StoreChecksums | None:
         """``layers`` of every chunk through the ``gather_kv`` kernel into staging, which sums
-        each chunk's bytes of them in the same pass, then the DMAs to the host.
+        each chunk's bytes of them in the same pass (with :attr:`checksums`), then the DMAs to
+        the host. The gather takes at most ``gather_sms`` SMs from the model.
 
         All layers: one launch (in pieces when nobody defers it), each chunk's checksum. Some
         layers (a layerwise store): the sums of those layers, which the engine adds up. The
@@ -244,12 +249,12 @@ class FusedStore(FusedViews):
                 )
                 copy = self._copy_stream(plan, to_host=True)
                 if copy is None:
-                    sums = self._sums.new_sums(len(index.positions))
+                    sums = self._sums.new_sums(len(index.positions)) if self.checksums else None
                     self._sums.gather_layers(index, staging, sums, layers)
                     if transfer.on_engine_read is not None:
                         transfer.on_engine_read()
                     self._copy_runs(plan, staging, to_host=True)
-                    checksums = self._sums.sums_to_host(sums)
+                    checksums = None if sums is None else self._sums.sums_to_host(sums)
                 else:
                     checksums = self._gather_pieces(plan, index, staging, copy, transfer)
             if not deferred:

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmcache import gpu_ops
 from lmcache.gpu_connector.checksums import LoadChecks
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 from lmcache_vllm.transfer.fused.plan import Prefetched, StagingPlan, add_run, piece_spans
@@ -68,12 +69,14 @@ class FusedTransfer(FusedStore):
         cache: A ``kv_concat`` or ``mla`` cache.
         backend: The cache device's backend: every stream, event, pinned buffer and host copy
             goes through it.
+        checksums: Stores sum their chunks on the device (loads verify whatever sums the
+            chunks carry).
 
     Use :meth:`for_cache`, which returns ``None`` when the layers allow no fused views.
     """
 
-    def __init__(self, cache: PagedKVCache, backend: DeviceBackend) -> None:
-        super().__init__(cache, backend)
+    def __init__(self, cache: PagedKVCache, backend: DeviceBackend, checksums: bool = True) -> None:
+        super().__init__(cache, backend, checksums)
         if self._sums is not None:
             self.warm_up()
 
@@ -106,10 +109,13 @@ class FusedTransfer(FusedStore):
         return self._sums is not None
 
     @classmethod
-    def for_cache(cls, cache: PagedKVCache, backend: DeviceBackend) -> FusedTransfer | None:
+    def for_cache(
+        cls, cache: PagedKVCache, backend: DeviceBackend, checksums: bool = True
+    ) -> FusedTransfer | None:
         """The fused path of ``cache``, or ``None`` when its layers allow neither one view nor
-        one view per layer (layers that differ in strides)."""
-        fused = cls(cache, backend)
+        one view per layer (layers that differ in strides). ``checksums``: stores sum their
+        chunks on the device (the configuration's ``checksum``)."""
+        fused = cls(cache, backend, checksums)
         return fused if fused._fused_any else None
 
     def prefetch(
@@ -172,8 +178,12 @@ class FusedTransfer(FusedStore):
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
     ) -> bool | LoadChecks:
         """Scatter ``layers`` from ``transfer.staged`` when it covers the chunks (waiting only
-        for the copy of those layers); ``False``: not used. Chunks with checksums are verified
-        on the device (:meth:`_verify`)."""
+        for the copy of those layers); ``False``: not used.
+
+        Chunks that the lookup verified in this very copy (:meth:`verify_chunks`) are scattered
+        without a second check. Other chunks with checksums are verified as they are scattered
+        (:meth:`_verify`).
+        """
         pre = transfer.staged
         backend = self.backend
         if not isinstance(pre, Prefetched) or not backend.has_streams:
@@ -181,7 +191,10 @@ class FusedTransfer(FusedStore):
         full = range(self.num_layers)
         key = [(c.start, c.end, c.buffer.data_ptr()) for c in chunks]
         cached = pre.scatter_plan
-        verify = self._verifying(chunks)
+        summed = self._verifying(chunks)
+        checked = summed and pre.verified_all(chunks)  # at lookup, in this device copy
+        verify = summed and not checked
+        kernel = summed or self._kernel_load(transfer)
         with self._stream_ctx(transfer):
             if cached is not None and cached[0]() is transfer and cached[1] == key:
                 plan, base, idx = cached[2:]  # checked when first built
@@ -191,7 +204,7 @@ class FusedTransfer(FusedStore):
                 if found is None:
                     return False
                 base = found
-                if verify:
+                if kernel:
                     assert self._sums is not None
                     idx = self._sums.load_index(plan, chunks, transfer)
                 else:
@@ -205,8 +218,12 @@ class FusedTransfer(FusedStore):
             if main != pre.stream:
                 backend.record_stream(pre.staging, main)
             if isinstance(idx, LoadIndex):
+                assert self._sums is not None
                 staged = pre.staging[base : base + plan.total * plan.row_bytes]
-                return self._verify(idx, staged, layers, staging_full=True)
+                if verify:
+                    return self._verify(idx, staged, layers, staging_full=True)
+                self._sums.scatter(idx, staged, layers, staging_full=True)
+                return self._sums.checked_before(idx) if checked else True
             self._scatter(plan, pre.staging[base:], full, idx, -1, only=layers)
         return True
 
@@ -214,23 +231,48 @@ class FusedTransfer(FusedStore):
         self, chunks: Sequence[ChunkTransfer], stream: Any, prefetched: Prefetched | None
     ) -> list[bool] | None:
         """Check whole chunks against their ``checksum`` on the device now, on ``stream``, and
-        wait (``None``: this path computes no checksums). A ``prefetched`` copy that holds the
-        chunks from its first one on is checked in place, after its copy."""
+        wait (``None``: this path computes no checksums).
+
+        A ``prefetched`` copy that holds the chunks from its first one on is checked in place,
+        after its copy. It keeps the verdicts: its load then scatters the chunks that matched
+        without checking them again.
+        """
         if self._sums is None or not chunks:
             return None
+        keys = [(c.start, c.end, c.buffer.data_ptr()) for c in chunks]
+        in_place = prefetched is not None and prefetched.chunks[: len(chunks)] == keys
         staged = None
-        if prefetched is not None and prefetched.chunks[: len(chunks)] == [
-            (c.start, c.end, c.buffer.data_ptr()) for c in chunks
-        ]:
+        if prefetched is not None and in_place:
             self.backend.wait_event(stream, prefetched.event)
             self.backend.record_stream(prefetched.staging, stream)
             staged = (prefetched.staging, prefetched.offsets)
-        return self._sums.verify_chunks(chunks, stream, staged)
+        ok = self._sums.verify_chunks(chunks, stream, staged)
+        if prefetched is not None and in_place:
+            prefetched.verified.update(
+                (k, c.checksum)
+                for k, c, good in zip(keys, chunks, ok, strict=True)
+                if good and c.checksum is not None
+            )
+        return ok
 
     def _verifying(self, chunks: Sequence[ChunkTransfer]) -> bool:
         """Whether a load of ``chunks`` goes through the verified scatter (checksums on the
         device, and at least one chunk has a stored sum)."""
         return self._sums is not None and any(c.checksum is not None for c in chunks)
+
+    kernel_scatter: bool = True
+    """Load unverified chunks through the ``scatter_kv`` kernel too, where it runs as one launch
+    (:func:`lmcache.gpu_ops.one_launch_ops`): one upload and one launch per call."""
+
+    def _kernel_load(self, transfer: TransferSpec) -> bool:
+        """Whether an unverified load goes through the ``scatter_kv`` kernel: it is on and runs
+        as one launch here, and the slot mapping is on the host (checked there, no sync)."""
+        return (
+            self._sums is not None
+            and self.kernel_scatter
+            and transfer.slot_mapping.device.type == "cpu"
+            and gpu_ops.one_launch_ops(self.device)
+        )
 
     def _verify(
         self, index: LoadIndex, staging: torch.Tensor, layers: range, *, staging_full: bool
@@ -252,11 +294,12 @@ class FusedTransfer(FusedStore):
             if from_staged is not False:
                 return from_staged
         verify = self._verifying(chunks)
+        kernel = verify or self._kernel_load(transfer)
         whole = len(layers) == self.num_layers
-        if verify and whole:  # pieces of whole chunks: each is checked once all of it is in
+        if kernel and whole:  # pieces of whole chunks: each is checked once all of it is in
             plan = self._kernel_plan(layers, chunks, transfer.skip_tokens)
         else:  # a layer range is summed, not checked, in one piece
-            plan = self._plan(layers, chunks, transfer.skip_tokens, 0 if verify else -1)
+            plan = self._plan(layers, chunks, transfer.skip_tokens, 0 if kernel else -1)
         if plan.total == 0:
             return False
         with self._stream_ctx(transfer):
@@ -278,13 +321,16 @@ class FusedTransfer(FusedStore):
                 for layer in layers:  # a 1/len(layers) staging buffer at a time
                     moved = bool(self.to_cache(range(layer, layer + 1), chunks, transfer)) or moved
                 return moved  # per-layer checks are dropped: the engine verifies on the host
-            if verify:
+            if kernel:
                 assert self._sums is not None
                 index = self._sums.load_index(plan, chunks, transfer)
                 side = self._copy_stream(plan, to_host=False)
                 if side is None:
                     self._copy_runs(plan, staging, to_host=False)
-                    return self._verify(index, staging, layers, staging_full=False)
+                    if verify:
+                        return self._verify(index, staging, layers, staging_full=False)
+                    self._sums.scatter(index, staging, layers, staging_full=False)
+                    return True
                 # check and scatter piece i while piece i + 1 comes from the host
                 self.backend.wait_stream(side, self.backend.current_stream(self.device))
                 ready = []
@@ -292,7 +338,11 @@ class FusedTransfer(FusedStore):
                     for piece in range(plan.pieces):
                         self._copy_runs(plan, staging, to_host=False, piece=piece)
                         ready.append(self.backend.event_after(side))
-                return self._sums.verified_scatter_pieces(index, staging, piece_spans(plan), ready)
+                spans = piece_spans(plan)
+                if verify:
+                    return self._sums.verified_scatter_pieces(index, staging, spans, ready)
+                self._sums.scatter_pieces(index, staging, spans, ready)
+                return True
             idx, check = self._fused_indices(plan, transfer)
             copy = self._copy_stream(plan, to_host=False)
             if copy is None:

@@ -15,7 +15,9 @@ on a device with streams. It uses the ``torch.ops.lmcache`` kernels through :mod
   :class:`~lmcache.gpu_connector.checksums.LoadChecks`.
 - **Before a load.** :meth:`ChunkChecksums.verify_chunks` checks a hit right after its lookup,
   in its device copy or through a scratch buffer, and waits. A bad chunk is then a miss, before
-  vLLM is promised its tokens.
+  vLLM is promised its tokens. A load from a device copy checked this way scatters it with
+  :meth:`ChunkChecksums.scatter`: each chunk is verified once.
+- **Unverified loads** (chunks with no sum, checksums off) take the same one-launch scatter.
 - **Load, some layers** (a layerwise load). The same ``scatter_kv`` launch returns the sums of
   the layers it moved. The cache engine adds the calls' sums and compares them at the end.
 
@@ -136,15 +138,21 @@ class ChunkChecksums:
         the current stream. ``staging`` holds exactly the staged chunks, all layers."""
         return self.checks.verified_scatter(index, staging, index.row_bytes)
 
+    gather_sms: int = 8
+    """SMs a store's gather may use. A store runs beside the next forward pass: the gather only
+    has to stay ahead of the copy to the host, so the model keeps the other SMs (an SM moves
+    tens of GB/s on the device, PCIe about 55)."""
+
     def gather_span(
         self,
         index: LoadIndex,
         staging: torch.Tensor,
-        sums: torch.Tensor,
+        sums: torch.Tensor | None,
         span: tuple[int, int, int, int],
     ) -> None:
         """:meth:`gather_layers` of all layers, one piece: staged chunks ``[a, b)``, staging tokens
-        ``[ta, tb)`` (``span``), their sums into ``sums[a:b]``; on the current stream."""
+        ``[ta, tb)`` (``span``), their sums into ``sums[a:b]`` (none: no sums); on the current
+        stream."""
         a, b, ta, tb = span
         rb = index.row_bytes
         gpu_ops.gather_kv(
@@ -152,7 +160,8 @@ class ChunkChecksums:
             index.slots[ta:tb],
             index.offsets[a : b + 1] - ta,
             staging[ta * rb : tb * rb],
-            checksums=sums[a:b],
+            checksums=None if sums is None else sums[a:b],
+            max_sms=self.gather_sms,
         )
 
     def new_sums(self, count: int) -> torch.Tensor:
@@ -165,13 +174,59 @@ class ChunkChecksums:
         return StoreChecksums(self.checks.download(sums))
 
     def gather_layers(
-        self, index: LoadIndex, staging: torch.Tensor, sums: torch.Tensor, layers: range
+        self, index: LoadIndex, staging: torch.Tensor, sums: torch.Tensor | None, layers: range
     ) -> None:
         """Gather ``layers`` of every staged chunk into ``staging`` (those layers only), and
-        each chunk's sum of their bytes into ``sums``; on the current stream."""
+        each chunk's sum of their bytes into ``sums`` (none: no sums); on the current stream."""
         gpu_ops.gather_kv(
-            self.paged, index.slots, index.offsets, staging, checksums=sums, layers=layers
+            self.paged,
+            index.slots,
+            index.offsets,
+            staging,
+            checksums=sums,
+            layers=layers,
+            max_sms=self.gather_sms,
         )
+
+    def scatter(
+        self, index: LoadIndex, staging: torch.Tensor, layers: range, *, staging_full: bool
+    ) -> None:
+        """Scatter ``layers`` of every staged chunk, unchecked (one launch); on the current
+        stream. For chunks with no sum, or verified already in these very bytes."""
+        gpu_ops.scatter_kv(
+            self.paged,
+            index.slots,
+            index.offsets,
+            staging,
+            layers=layers,
+            staging_full=staging_full,
+        )
+
+    def scatter_pieces(
+        self,
+        index: LoadIndex,
+        staging: torch.Tensor,
+        spans: Sequence[tuple[int, int, int, int]],
+        ready: Sequence[Any],
+    ) -> None:
+        """:meth:`scatter` of all layers piece by piece: piece ``i`` (``spans[i]``, as in
+        :meth:`gather_span`) once event ``ready[i]`` (its copy into staging) has completed."""
+        rb = index.row_bytes
+        stream = self.backend.current_stream(self.device)
+        for (a, b, ta, tb), event in zip(spans, ready, strict=True):
+            self.backend.wait_event(stream, event)
+            gpu_ops.scatter_kv(
+                self.paged,
+                index.slots[ta:tb],
+                index.offsets[a : b + 1] - ta,
+                staging[ta * rb : tb * rb],
+            )
+
+    @staticmethod
+    def checked_before(index: LoadIndex) -> LoadChecks:
+        """The checks of a load whose chunks were all verified in its very staged bytes before
+        (at lookup): every chunk matched. No device work, nothing to wait for."""
+        return LoadChecks(index.positions, ok=torch.ones(len(index.positions), dtype=torch.bool))
 
     def verified_scatter_pieces(
         self,

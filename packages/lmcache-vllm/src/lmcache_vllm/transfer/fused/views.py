@@ -63,8 +63,9 @@ class FusedViews:
     chunks, each at least ``min_piece_bytes``. Piece ``i``'s DMAs (on a side stream) overlap
     piece ``i + 1``'s gather, or piece ``i - 1``'s check and scatter. ``1``: one piece."""
 
-    def __init__(self, cache: PagedKVCache, backend: DeviceBackend) -> None:
+    def __init__(self, cache: PagedKVCache, backend: DeviceBackend, checksums: bool = True) -> None:
         self.cache = cache
+        self.checksums = checksums  # stores sum their chunks on the device (where it can)
         self.kv_format = cache.kv_format
         self._caches = list(cache.caches)
         self.block_size = cache.block_size
