@@ -76,7 +76,7 @@ class BatchedSaves:
     Args:
         saves: The worker's save queue.
         unpublished: Saves a lookup of the same prompt waits for.
-        transfer_lock: Held while a copy is enqueued (loads take it too).
+        store_lock: Held while a copy is enqueued (loads have their own).
         chunk_size: lmcache's chunk size in tokens.
         block_size: vLLM's block size in tokens.
         counters: Where finished saves are counted.
@@ -86,14 +86,14 @@ class BatchedSaves:
         self,
         saves: SaveQueue,
         unpublished: UnpublishedSaves,
-        transfer_lock: threading.Lock,
+        store_lock: threading.Lock,
         chunk_size: int,
         block_size: int,
         counters: WorkerCounters,
     ) -> None:
         self._saves = saves
         self._unpublished = unpublished
-        self._xfer_lock = transfer_lock
+        self._store_lock = store_lock
         self.chunk_size = chunk_size
         self.block_size = block_size
         self._counters = counters
@@ -265,7 +265,7 @@ class BatchedSaves:
             started = time.perf_counter()
             copied: Any = None  # CUDA: the event after the copy to the host
             try:
-                with self._xfer_lock:
+                with self._store_lock:
                     if ready is None:
                         staged = batch.copy_out(spec)
                     else:

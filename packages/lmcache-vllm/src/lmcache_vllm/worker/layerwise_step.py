@@ -95,7 +95,10 @@ class LayerwiseStep:
     """The layerwise loads and saves of the current step.
 
     Args:
-        xfer_lock: Serialises transfers with the worker's other users of the connector.
+        load_lock: Held while a load is enqueued or finished (the worker's synchronous loads
+            take it too).
+        store_lock: Held while a store's copy is enqueued (the worker's batched saves take it
+            too). A store and a load never wait for each other.
         saves: The worker's save queue (copies and commits).
         device: The KV caches' device (CUDA: streams and events; CPU: in order on the host).
         on_load_failed: Called with a request whose load failed (its blocks become load errors).
@@ -105,14 +108,16 @@ class LayerwiseStep:
 
     def __init__(
         self,
-        xfer_lock: threading.Lock,
+        load_lock: threading.Lock,
+        store_lock: threading.Lock,
         saves: SaveQueue,
         device: torch.device,
         on_load_failed: Callable[[ReqMeta], None],
         backend: DeviceBackend | None = None,
         on_chunks_rejected: Callable[[ReqMeta, torch.Tensor, int], None] | None = None,
     ) -> None:
-        self._lock = xfer_lock
+        self._load_lock = load_lock
+        self._store_lock = store_lock
         self._saves = saves
         self._backend = get_backend(device) if backend is None else backend
         self._cuda = self._backend.has_streams  # streams: asynchronous copies and events
@@ -153,7 +158,7 @@ class LayerwiseStep:
             for item in list(self._loads):
                 req, retriever, held = item
                 try:
-                    with self._lock, self._backend.use_stream(self.load_stream):
+                    with self._load_lock, self._backend.use_stream(self.load_stream):
                         retriever.load_layers(group.stop)
                 except Exception:
                     logger.exception("lmcache: layerwise load of %s failed", req.req_id)
@@ -221,7 +226,7 @@ class LayerwiseStep:
                 if save.storer is None:
                     save.storer = save.begin(transfer=self._transfer(save))
                 storer = save.storer
-                with self._lock:
+                with self._store_lock:
                     if ready is None:
                         storer.store_layer(layer)
                     else:
@@ -289,7 +294,7 @@ class LayerwiseStep:
             )  # before the leases go: no copy reads a freed buffer
         for req, retriever, held in self._loads:
             try:
-                with self._lock:
+                with self._load_lock:
                     promised = retriever.num_hit_tokens
                     loaded = retriever.finish()
                 lost = promised - int(loaded.sum())

@@ -40,7 +40,7 @@ class RequestLoads:
         chunk_size: lmcache's chunk size in tokens.
         block_size: vLLM's block size in tokens.
         layerwise: lmcache runs layerwise.
-        transfer_lock: Held while a synchronous load copies (saves take it too).
+        load_lock: Held while a synchronous load copies (saves have their own).
         counters: Where loads are counted.
         prefetcher: Copies a hit to the device ahead of a layerwise load.
     """
@@ -50,7 +50,7 @@ class RequestLoads:
         chunk_size: int,
         block_size: int,
         layerwise: bool,
-        transfer_lock: threading.Lock,
+        load_lock: threading.Lock,
         counters: WorkerCounters,
         prefetcher: HitPrefetcher,
     ) -> None:
@@ -59,7 +59,7 @@ class RequestLoads:
         self.layerwise = layerwise
         self.asynchronous = False  # CUDA: batched loads are enqueued, not waited for
         self.errors: set[int] = set()
-        self._xfer_lock = transfer_lock
+        self._load_lock = load_lock
         self._counters = counters
         self._prefetcher = prefetcher
 
@@ -132,7 +132,7 @@ class RequestLoads:
                 full[lo : lo + retriever.num_hit_tokens] = True
                 self.record(req, full)
                 return retriever
-            with self._xfer_lock:
+            with self._load_lock:
                 loaded = engine.retrieve(
                     tokens,
                     mask,

@@ -126,7 +126,10 @@ class WorkerSide:
         self._layer_ids: dict[str, int] = {}
         self._counters = WorkerCounters()
         self._engine_seen: dict[str, float] = {}  # engine counters already reported
-        self._xfer_lock = threading.Lock()
+        # one lock per direction: a store and a load are enqueued at once, each on its own
+        # streams and staging (PCIe carries both ways together)
+        self._load_lock = threading.Lock()
+        self._store_lock = threading.Lock()
         self._layerwise: LayerwiseStep | None = None  # built with the caches (device)
         self._backend: DeviceBackend = get_backend("cpu")  # the caches' device, once registered
         self._bound: object = None  # the metadata bind() last ran for
@@ -136,7 +139,7 @@ class WorkerSide:
         self._batched = BatchedSaves(
             self._saves,
             self._unpublished,
-            self._xfer_lock,
+            self._store_lock,
             self.chunk_size,
             self.block_size,
             self._counters,
@@ -146,7 +149,7 @@ class WorkerSide:
             self.chunk_size,
             self.block_size,
             config.use_layerwise,
-            self._xfer_lock,
+            self._load_lock,
             self._counters,
             self.prefetcher,
         )
@@ -182,7 +185,8 @@ class WorkerSide:
         # the device backend of the caches: the worker's streams and events go through it
         self._backend = get_backend(first.device)
         self._layerwise = LayerwiseStep(
-            self._xfer_lock,
+            self._load_lock,
+            self._store_lock,
             self._saves,
             first.device,
             self._loads.fail_whole,
