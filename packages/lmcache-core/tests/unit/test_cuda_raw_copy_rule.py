@@ -2,23 +2,35 @@
 """Which pairs the CUDA backend copies with a raw runtime call, checked without a GPU.
 
 Only contiguous pairs with one side on the device and the host side page-locked qualify;
-pageable memory takes torch's copy. Within one batch the page-lock answer (a driver call) is
-asked once per host storage.
+pageable memory takes torch's copy. The page-lock answer (a driver query) is asked once per
+host storage, not once per copy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+
+from lmcache.devices import cuda
 from lmcache.devices.cuda import _raw_ok
+
+
+@pytest.fixture(autouse=True)
+def _fresh_answers(monkeypatch) -> None:
+    monkeypatch.setattr(cuda, "_PINNED", {})
 
 
 @dataclass
 class _Storage:
     ptr: int
+    size: int = 1 << 20
 
     def data_ptr(self) -> int:
         return self.ptr
+
+    def nbytes(self) -> int:
+        return self.size
 
 
 @dataclass
@@ -44,21 +56,26 @@ class _T:
 
 def test_which_pairs_qualify() -> None:
     dev = _T(is_cuda=True)
-    assert _raw_ok(dev, _T(is_cuda=False, pinned=True))  # type: ignore[arg-type]
-    assert _raw_ok(_T(is_cuda=False, pinned=True), dev)  # type: ignore[arg-type]
-    assert not _raw_ok(dev, _T(is_cuda=False, pinned=False))  # type: ignore[arg-type]
-    assert not _raw_ok(_T(is_cuda=False, pinned=True), _T(is_cuda=False, pinned=True))  # type: ignore[arg-type]
+    pinned = lambda: _T(is_cuda=False, pinned=True, storage=_Storage(1 << 12))  # noqa: E731
+    assert _raw_ok(dev, pinned())  # type: ignore[arg-type]
+    assert _raw_ok(pinned(), dev)  # type: ignore[arg-type]
+    assert not _raw_ok(dev, _T(is_cuda=False, pinned=False, storage=_Storage(2 << 12)))  # type: ignore[arg-type]
+    assert not _raw_ok(pinned(), pinned())  # type: ignore[arg-type]
     assert _raw_ok(dev, _T(is_cuda=True))  # type: ignore[arg-type]
     assert not _raw_ok(dev, _T(is_cuda=False, pinned=True, contiguous=False))  # type: ignore[arg-type]
 
 
-def test_a_batch_asks_once_per_host_storage() -> None:
+def test_the_driver_is_asked_once_per_host_storage() -> None:
+    """Copies from one pool slab ask once; another storage (or the same address with another
+    size: a new allocation) asks again."""
     dev = _T(is_cuda=True)
     slab = _Storage(4096)
     pieces = [_T(is_cuda=False, pinned=True, storage=slab) for _ in range(5)]
     other = _T(is_cuda=False, pinned=False, storage=_Storage(8192))
-    memo: dict[int, bool] = {}
-    assert all(_raw_ok(dev, p, memo) for p in pieces)  # type: ignore[arg-type]
-    assert not _raw_ok(dev, other, memo)  # type: ignore[arg-type]
+    regrown = _T(is_cuda=False, pinned=False, storage=_Storage(4096, 1 << 30))
+    assert all(_raw_ok(dev, p) for p in pieces)  # type: ignore[arg-type]
+    assert all(_raw_ok(p, dev) for p in pieces)  # type: ignore[arg-type]
+    assert not _raw_ok(dev, other)  # type: ignore[arg-type]
+    assert not _raw_ok(dev, regrown)  # type: ignore[arg-type]
     assert sum(len(p.asked) for p in pieces) == 1
-    assert memo == {4096: True, 8192: False}
+    assert len(other.asked) == len(regrown.asked) == 1

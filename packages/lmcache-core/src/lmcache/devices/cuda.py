@@ -167,13 +167,31 @@ def _handle(stream: Any, dst: torch.Tensor, src: torch.Tensor) -> int:
     return int(stream.cuda_stream)
 
 
-def _raw_ok(dst: torch.Tensor, src: torch.Tensor, pinned: dict[int, bool] | None = None) -> bool:
-    """Whether a raw runtime copy may move this pair: contiguous, one side on the device, and the
-    host side page-locked. Pageable host memory takes torch's copy, which stages it safely.
+_PINNED: dict[tuple[int, int], bool] = {}
+"""Page-lock answers per host storage (address, size): each answer is a driver query."""
 
-    ``pinned`` memoises the page-lock answer per host storage across one batch: its pieces
-    usually share a few pool slabs, and each answer is a driver call.
+_PINNED_MAX = 4096
+
+
+def _host_pinned(host: torch.Tensor) -> bool:
+    """Whether ``host``'s storage is page-locked, asked of the driver once per storage.
+
+    A stale answer after the storage was freed and its address reused costs speed, not bytes:
+    the runtime copies pageable memory correctly, only synchronously.
     """
+    storage = host.untyped_storage()
+    key = (storage.data_ptr(), storage.nbytes())
+    answer = _PINNED.get(key)
+    if answer is None:
+        if len(_PINNED) >= _PINNED_MAX:  # bounded: transient buffers come and go
+            _PINNED.clear()
+        answer = _PINNED[key] = host.is_pinned()
+    return answer
+
+
+def _raw_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether a raw runtime copy may move this pair: contiguous, one side on the device, and the
+    host side page-locked. Pageable host memory takes torch's copy, which stages it safely."""
     if not (dst.is_contiguous() and src.is_contiguous()):
         return False
     if dst.is_cuda and src.is_cuda:
@@ -181,12 +199,7 @@ def _raw_ok(dst: torch.Tensor, src: torch.Tensor, pinned: dict[int, bool] | None
     host = src if dst.is_cuda else dst
     if host.is_cuda or not (dst.is_cuda or src.is_cuda):
         return False
-    if pinned is None:
-        return host.is_pinned()
-    base = host.untyped_storage().data_ptr()
-    if base not in pinned:
-        pinned[base] = host.is_pinned()
-    return pinned[base]
+    return _host_pinned(host)
 
 
 class CudaBackend(DeviceBackend):
@@ -312,14 +325,9 @@ class CudaBackend(DeviceBackend):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
         """One ``cudaMemcpyAsync`` for contiguous tensors with page-locked host memory, else torch's
         non-blocking copy on ``stream``."""
-        self._copy(dst, src, stream, None)
-
-    def _copy(
-        self, dst: torch.Tensor, src: torch.Tensor, stream: Any, pinned: dict[int, bool] | None
-    ) -> None:
         d, s = copy_pair(dst, src, "CudaBackend.copy")
         rt = cudart()
-        if rt is not None and _raw_ok(d, s, pinned):
+        if rt is not None and _raw_ok(d, s):
             n = d.numel() * d.element_size()
             if n:
                 err = rt.lib.cudaMemcpyAsync(
@@ -345,9 +353,8 @@ class CudaBackend(DeviceBackend):
             or len(dsts) < 2
             or not self._batch(rt, dsts, srcs, stream)
         ):
-            pinned: dict[int, bool] = {}
             for d, s in zip(dsts, srcs, strict=True):
-                self._copy(d, s, stream, pinned)
+                self.copy(d, s, stream)
 
     def _batch(
         self,
@@ -358,10 +365,9 @@ class CudaBackend(DeviceBackend):
     ) -> bool:
         n = len(dsts)
         dp, sp, sizes = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (ctypes.c_size_t * n)()
-        pinned: dict[int, bool] = {}
         for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)):
             d, s = copy_pair(d, s, "CudaBackend.copy_batch")
-            if not _raw_ok(d, s, pinned):
+            if not _raw_ok(d, s):
                 return False
             dp[i], sp[i], sizes[i] = d.data_ptr(), s.data_ptr(), d.numel() * d.element_size()
         handle = _handle(stream, dsts[0], srcs[0])
@@ -407,7 +413,7 @@ class CudaBackend(DeviceBackend):
         if (
             rt is None
             or not (dst.is_cuda or src.is_cuda)
-            or (not host.is_cuda and not host.is_pinned())
+            or (not host.is_cuda and not _host_pinned(host))
         ):
             super().copy_2d(dst, dpitch, src, spitch, width, height, stream)
             return
