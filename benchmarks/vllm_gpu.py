@@ -1,22 +1,38 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Real vLLM on a CUDA GPU with and without lmcache: cold and warm TTFT, throughput at 0 % reuse.
+"""Real vLLM on a CUDA GPU alone, with lmcache (checksums on, off), with its own CPU offloading.
+
+Cold and warm TTFT, throughput at 0 % reuse, each engine against vLLM alone.
 
 Run on a CUDA machine with vLLM importable (offline: ``tools/gpu_engines/README.md``)::
 
     python benchmarks/vllm_gpu.py [--quick] [--layers {8,32}] [--tokens 16384] [--reps 5]
-        [--rounds 3] [--tput-reps 5] [--checksum {default,on,off}] [--profile DIR]
+        [--rounds 3] [--tput-reps 1] [--engines base,on,off,offload] [--profile DIR]
 
 ``--smoke`` runs it all on a 2-layer model and 1k-token prompts (vLLM's CPU build without a
-GPU): it checks the script, not lmcache.
+GPU, where the ``offload`` engine is skipped with the reason printed): it checks the script, not
+lmcache.
 
 Model: a random Llama with Llama-3-8B attention geometry (hidden 4096, 32 query heads, 8 KV
 heads of 128, bf16), 32 layers with MLP 4096 (16k tokens = 2 GiB of KV; 6.4 GB of weights, built
 once per machine under the temporary folder) or ``--layers 8`` with MLP 8192. Engines run one
-after the other in this process, eager mode, 16-token blocks: no lmcache, then lmcache with the
-given config (an empty tier, its host pool pinned before timing); with ``--rounds N``, N fresh
-engines of each in ABBA order (base, lmcache, lmcache, base, ...), every figure the median over
-all rounds' samples, so that the machine's drift during a run weighs on both alike (each round's
-ratios are printed too). Per engine:
+after the other in this process, eager mode, 16-token blocks (``--engines``, default all four):
+
+- ``base``: vLLM alone;
+- ``on`` and ``off``: vLLM with lmcache (an empty tier, its host pool holding every prompt and
+  pinned before timing), its checksums on and off (lmcache's default for CUDA engines is on),
+  so that the cost of verification is read from one run;
+- ``offload``: vLLM's own ``OffloadingConnector`` (``cpu_bytes_to_use``: lmcache's pool bytes).
+
+Rounds: ``--rounds N`` (default 3; ``--quick`` and ``--smoke`` 1) starts a fresh engine of each
+kind per round, in forward then backward order (base, on, off, offload, offload, off, on, base,
+base, ...), so that the machine's drift over a run weighs on every engine alike; every figure is
+the median over all rounds' samples, and each round's figures are printed too. Each engine
+serves both the TTFT requests and the throughput batches of its round (its start, ~30-40 s for
+32 layers on an H200, is what a round costs; its measurements take a few seconds): the default
+32-layer run starts 12 engines, about 9 minutes on an H200 by that estimate (not yet timed);
+the log gives each engine's start time and the whole run's. Fewer rounds of TTFT than of
+throughput would save only those few seconds per engine, so every round measures both.
+Per engine:
 
 - ``cold``: TTFT of a prompt never seen (vLLM's own figure, ``RequestOutput.metrics.
   first_token_latency``: what ``vllm:time_to_first_token_seconds`` reports), median over
@@ -24,14 +40,16 @@ ratios are printed too). Per engine:
 - ``floor``: the same prompts again at once, served by vLLM's own prefix cache (one token
   computed: the decode step of the bound below);
 - ``warm``: the same prompts again after ``reset_prefix_cache()`` (vLLM's own cache emptied:
-  without lmcache that is a recompute, with lmcache a load);
+  without a connector that is a recompute, with one a load); the first warm request of each
+  engine (its first load) is a row of its own, beside the median of the later ones;
 - ``throughput``: prompt tokens per second for a batch of distinct 2k-token prompts (0 % reuse),
-  median over ``--tput-reps`` batches of new prompts.
+  ``--tput-reps`` batches of new prompts per engine and round.
 
-Targets printed next to the figures: cold within +2 %, throughput at least 99 % of no-lmcache,
-warm at least 3x faster than recompute, and warm at most 1.3x the *physical bound*: the
-prompt's KV bytes over a pinned host-to-device copy (timed with CUDA events before the engines
-start) plus vLLM alone's ``floor``, both measured in the same run.
+Targets printed next to the figures, per engine: cold within +2 % of vLLM alone, later warm at
+most 1.1x the *physical bound* (the prompt's KV bytes over a pinned host-to-device copy, timed
+with CUDA events before the engines start, plus vLLM alone's ``floor``, both measured in the
+same run), the first warm request at most 1.1x the later ones, throughput at least 99 % of vLLM
+alone; and lmcache's warm TTFT with checksums on within 3 % of off.
 
 ``--gpu-trace`` adds, per engine, where the GPU's time went during the cold requests and the
 throughput batches (``torch.profiler``, CUDA activity only): kernel time on vLLM's stream and on
@@ -57,6 +75,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +87,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_gpu_runs as runs
 from _common import event_ms, log, median
 from vllm_gpu_profile import Profile
-from vllm_gpu_runs import cold_variant, first_prefix_hit, parts, pooled, run_engine
+from vllm_gpu_runs import VARIANTS, cold_variant, first_prefix_hit, parts, run_engine
+from vllm_gpu_table import ENGINES, pooled, print_rounds, print_table, round_order
 
 
 def h2d_ceiling_ms(nbytes: int) -> float:
@@ -111,10 +131,19 @@ def main() -> None:
         help="throughput batches per engine, each of new prompts; the median is reported",
     )
     parser.add_argument(
+        "--engines",
+        default=None,
+        metavar="LIST",
+        help="the engines compared, comma-separated: base (vLLM alone), on / off (lmcache, its "
+        "checksums on / off), offload (vLLM's OffloadingConnector); default all four",
+    )
+    parser.add_argument(
         "--checksum",
         choices=("default", "on", "off"),
         default="default",
-        help="lmcache's checksum setting (default: unset, lmcache's default for CUDA engines)",
+        help="lmcache's checksum setting for the lmcache and no-save engines of --cold-variants "
+        "and --parts (default: unset, lmcache's default for CUDA engines); on or off without "
+        "--engines compares base with that one engine only",
     )
     parser.add_argument(
         "--sync-saves",
@@ -136,15 +165,17 @@ def main() -> None:
         metavar="LIST",
         help="after the main table, cold TTFT only (--cold-reps requests each) of these engines, "
         "one after the other, comma-separated: base (vLLM alone again: the drift of the "
-        "machine), lmcache (the default again), no-save (kv_role kv_consumer: lookups only)",
+        "machine), lmcache (--checksum's config), on, off, offload, no-save (kv_role "
+        "kv_consumer: lookups only)",
     )
     parser.add_argument("--cold-reps", type=int, default=15)
     parser.add_argument(
         "--rounds",
         type=int,
-        default=1,
-        help="fresh engines per variant, in ABBA order (base, lmcache, lmcache, base, ...); the "
-        "figures are medians over every round's samples, and each round's ratios are printed",
+        default=None,
+        help="fresh engines per variant, forward then backward (base, on, off, offload, offload, "
+        "off, on, base, ...); the figures are medians over every round's samples, and each "
+        "round's are printed (default 3; --quick and --smoke 1; --parts 1)",
     )
     parser.add_argument(
         "--cprofile-hooks",
@@ -193,6 +224,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.tokens, args.layers = min(args.tokens, 1024), 2
+    if args.engines is None:  # --checksum on/off alone: that engine against vLLM alone
+        args.engines = "base," + args.checksum if args.checksum != "default" else ",".join(ENGINES)
+    engines = [e for e in args.engines.split(",") if e]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown or not engines or len(set(engines)) < len(engines):
+        parser.error(
+            f"--engines: a comma list of distinct {', '.join(ENGINES)}; got {args.engines!r}"
+        )
+    for variant in filter(None, args.cold_variants.split(",")):
+        if variant not in VARIANTS:
+            parser.error(f"--cold-variants: unknown {variant!r}; expected some of {VARIANTS}")
     args.reps = args.reps or (2 if args.smoke else 3 if args.quick else 5)
     args.batch = args.batch or (2 if args.smoke else 16 if args.quick else 32)
     # the smoke: lmcache_vllm.testing's tiny Llama; else Llama-3-8B attention, MLP 8192 at 8
@@ -278,90 +320,66 @@ def main() -> None:
         "kv_connector_extra_config": extra,
     }
     if args.parts:
-        parts(model, kv, max_len, args.rounds, args.parts, args.batch)
+        parts(model, kv, max_len, args.rounds or 1, args.parts, args.batch)
         return
-    samples: dict[str, list[dict[str, list[float]]]] = {"base": [], "lmcache": []}
-    for rnd in range(args.rounds):
-        # ABBA: the machine's drift over a run weighs on both engines alike
-        order = ("base", "lmcache") if rnd % 2 == 0 else ("lmcache", "base")
-        for variant in order:
-            tag = variant if args.rounds == 1 else f"{variant}{rnd + 1}"
+    if not torch.cuda.is_available() and "offload" in engines:
+        engines.remove("offload")
+        print(
+            "offload: skipped: vLLM's OffloadingConnector does not run on vLLM's CPU build "
+            "(its transfers are CUDA copies)",
+            flush=True,
+        )
+    rounds = args.rounds or (1 if args.smoke or args.quick else 3)
+    began = time.perf_counter()
+    samples: dict[str, list[dict[str, list[float]]]] = {e: [] for e in engines}
+    for rnd in range(rounds):
+        # forward, then backward: the machine's drift over a run weighs on every engine alike
+        for variant in round_order(engines, rnd):
+            tag = variant if rounds == 1 else f"{variant}{rnd + 1}"
             samples[variant].append(
                 run_engine(variant, model, kv, max_len, prompts, batches, prof, tag, args.gpu_trace)
             )
-    base, lm = pooled(samples["base"]), pooled(samples["lmcache"])
-    if args.rounds > 1:
-        for rnd in range(args.rounds):
-            b, m = (
-                pooled(samples["base"][rnd : rnd + 1]),
-                pooled(samples["lmcache"][rnd : rnd + 1]),
-            )
-            print(
-                f"round {rnd + 1}: cold {1e3 * b['cold']:.1f} / {1e3 * m['cold']:.1f} ms "
-                f"({100 * (m['cold'] / b['cold'] - 1):+.1f} %), warm {b['warm'] / m['warm']:.2f}x, "
-                f"throughput {100 * m['tput'] / b['tput']:.1f} %"
-            )
-
+    took = time.perf_counter() - began
+    if rounds > 1:
+        print_rounds(samples)
     prof.report()
+    figures = {e: pooled(samples[e]) for e in engines}
     for variant in filter(None, args.cold_variants.split(",")):
         seeds = range(5000 + 100 * len(variant), 5000 + 100 * len(variant) + args.cold_reps + 1)
         cold_prompts = [make_prompt(args.tokens, seed=s, vocab_size=vocab) for s in seeds]
         med = cold_variant(variant, model, kv, max_len, cold_prompts)
+        against = (
+            f" ({100 * (med / figures['base']['cold'] - 1):+.1f} % against vLLM alone above)"
+            if "base" in figures
+            else ""
+        )
         print(
-            f"variant {variant:<12} cold TTFT median of {args.cold_reps}: {1e3 * med:.1f} ms "
-            f"({100 * (med / base['cold'] - 1):+.1f} % against vLLM alone above)",
+            f"variant {variant:<12} cold TTFT median of {args.cold_reps}: {1e3 * med:.1f} ms"
+            + against,
             flush=True,
         )
-    cold_pct = 100 * (lm["cold"] / base["cold"] - 1)
-    tput_pct = 100 * lm["tput"] / base["tput"]
-    speedup = base["warm"] / lm["warm"]
-    ok = {True: "met", False: "MISSED"}
     from lmcache.config import LMCacheConfig
 
     default_on = LMCacheConfig().checksum_for("cuda", True)  # vLLM's CUDA connector sums on the GPU
-    checksum_on = args.checksum == "on" or (args.checksum == "default" and default_on)
-    bound = h2d_ms / 1e3 + base["floor"]
-    over = lm["warm"] / bound
-    print(
-        f"\n=== vLLM {vllm.__version__} on {device_name}, random Llama "
-        f"{args.layers} layers ({kv_heads} KV heads of {head}), {args.tokens}-token prompts, medians"
-    )
-    print(f"{'':<34} {'no lmcache':>11} {'lmcache':>11}  target")
-    print(
-        f"{'cold TTFT (ms)':<34} {1e3 * base['cold']:>11.1f} {1e3 * lm['cold']:>11.1f}  "
-        f"<= +2 %: {cold_pct:+.1f} % {ok[cold_pct <= 2]}"
-    )
-    print(
-        f"{'warm TTFT after reset (ms)':<34} {1e3 * base['warm']:>11.1f} {1e3 * lm['warm']:>11.1f}  "
-        f">= 3x faster: {speedup:.2f}x {ok[speedup >= 3]}"
-    )
-    print(
-        f"{'warm TTFT against physical bound':<34} {1e3 * bound:>11.1f} {1e3 * lm['warm']:>11.1f}  "
-        f"<= 1.3x: {over:.2f}x {ok[over <= 1.3]}"
-    )
-    print(
-        f"{'throughput, 0 % reuse (tok/s)':<34} {base['tput']:>11.0f} {lm['tput']:>11.0f}  "
-        f">= 99 %: {tput_pct:.1f} % {ok[tput_pct >= 99]}"
-    )
-    print(
-        f"{'generate() wall, cold / warm (ms)':<34} "
-        f"{1e3 * base['cold_wall']:>5.1f}/{1e3 * base['warm_wall']:<5.1f} "
-        f"{1e3 * lm['cold_wall']:>5.1f}/{1e3 * lm['warm_wall']:<5.1f}  "
-        f"(TTFT + this process's detokenization; warm {base['warm_wall'] / lm['warm_wall']:.2f}x)"
-    )
-    print(
-        f"physical bound = KV {kv_bytes / 2**20:.0f} MiB / pinned h2d "
-        f"{kv_bytes / h2d_ms / 1e6:.1f} GB/s ({h2d_ms:.1f} ms) + one decode step: vLLM alone's "
-        f"TTFT of a full prefix-cache hit ({1e3 * base['floor']:.1f} ms; with lmcache "
-        f"{1e3 * lm['floor']:.1f} ms), both measured in this run"
+    print_table(
+        figures,
+        f"vLLM {vllm.__version__} on {device_name}, random Llama {args.layers} layers "
+        f"({kv_heads} KV heads of {head}), {args.tokens}-token prompts, medians over {rounds} "
+        f"round{'s' * (rounds > 1)} of {args.reps} prompts and {args.tput_reps} batch"
+        f"{'es' * (args.tput_reps > 1)} of {args.batch}",
+        h2d_ms,
+        kv_bytes,
     )
     print(
         "TTFT: vLLM's RequestOutput.metrics.first_token_latency (vllm:time_to_first_token_seconds)"
     )
     print(
-        f"checksum: {args.checksum} ({'on' if checksum_on else 'off'} here); saves: "
+        f"lmcache: host pool {pool_gib:.1f} GiB (offload: the same bytes); checksums by default "
+        f"{'on' if default_on else 'off'} for CUDA engines; saves "
         f"{'inline (synchronous)' if args.sync_saves else 'off the step (default)'}"
     )
+    order = ", ".join(e for rnd in range(rounds) for e in round_order(engines, rnd))
+    print(f"{len(engines) * rounds} engines in {took:.0f} s, in this order: {order}")
 
 
 if __name__ == "__main__":

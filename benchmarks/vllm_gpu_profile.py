@@ -267,7 +267,7 @@ class Profile:
                     stats = pstats.Stats(prof, stream=f)
                     stats.sort_stats("tottime").print_stats(40)
                     stats.sort_stats("cumulative").print_stats(60)
-                if label.startswith("lmcache"):
+                if not label.startswith(("base", "offload")):  # an lmcache engine's phase
                     prof.dump_stats(str(self.out / f"{label}.prof"))
 
     def report(self) -> None:

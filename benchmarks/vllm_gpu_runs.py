@@ -2,10 +2,12 @@
 """The engines of ``vllm_gpu.py``: a fresh engine per variant, its TTFT and throughput figures,
 and the ``--cold-variants``, ``--first-prefix-hit`` and ``--parts`` runs.
 
-:func:`fresh_engine` starts vLLM alone (``base``), with lmcache (``lmcache``) or with lmcache
-answering lookups only (``no-save``) over an empty process tier whose host pool is pinned before
-it is used; :func:`measure` times cold requests, vLLM's own prefix-cache hits of the same
-prompts, warm requests after ``reset_prefix_cache()`` and throughput batches on one engine.
+:func:`fresh_engine` starts vLLM alone (``base``), with lmcache (``lmcache``: the given config;
+``on``/``off``: its checksums on/off), with lmcache answering lookups only (``no-save``), each
+over an empty process tier whose host pool is pinned before it is used, or with vLLM's own
+``OffloadingConnector`` over as many host bytes (``offload``); :func:`measure` times cold
+requests, vLLM's own prefix-cache hits of the same prompts, warm requests after
+``reset_prefix_cache()`` and throughput batches on one engine.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from _common import gpu_engine, shutdown_engine
+from _common import gpu_engine, log, shutdown_engine
 from vllm_gpu_profile import Profile, on_gc
 from vllm_gpu_trace import traced
 
@@ -28,8 +30,12 @@ ENGINE_MEMORY = 0.1
 """vLLM's ``gpu_memory_utilization`` for each engine (``vllm_gpu.py`` raises it for 32 layers)."""
 
 
-def ttft(llm: Any, prompt: list[int], prof: Profile | None = None) -> tuple[float, float]:
-    """``(vLLM's TTFT, generate() wall time)`` of one ``max_tokens=1`` request.
+def ttft(
+    llm: Any, prompt: list[int], prof: Profile | None = None, hits: list[float] | None = None
+) -> tuple[float, float]:
+    """``(vLLM's TTFT, generate() wall time)`` of one ``max_tokens=1`` request; ``hits`` gets
+    its prompt tokens not computed (``RequestOutput.num_cached_tokens``: vLLM's own prefix
+    cache and the connector's hit together).
 
     vLLM's TTFT is ``RequestOutput.metrics.first_token_latency``: arrival until the engine
     produced the first token, what ``vllm:time_to_first_token_seconds`` reports. The wall time
@@ -42,6 +48,8 @@ def ttft(llm: Any, prompt: list[int], prof: Profile | None = None) -> tuple[floa
     (out,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
     wall = time.perf_counter() - start
     ttft = float(out.metrics.first_token_latency)
+    if hits is not None:
+        hits.append(float(getattr(out, "num_cached_tokens", None) or 0))
     if prof is not None:
         prof.request(start, ttft)
         if prof.spans is not None:
@@ -80,7 +88,8 @@ def measure(
     # the same prompts again: vLLM's own prefix-cache hits, one token computed (the bound's step)
     floor = [ttft(llm, p)[0] for p in prompts[:-1]]
     llm.reset_prefix_cache()
-    warm = prof.run(f"{tag}-warm", lambda: [ttft(llm, p, prof) for p in prompts[:-1]])
+    hits: list[float] = []
+    warm = prof.run(f"{tag}-warm", lambda: [ttft(llm, p, prof, hits) for p in prompts[:-1]])
 
     def tput_run() -> list[float]:
         return [throughput(llm, b) for b in batches]
@@ -95,7 +104,9 @@ def measure(
         + " ".join(f"{1e3 * t:.1f}" for t, _ in cold)
         + "; warm "
         + " ".join(f"{1e3 * t:.1f}" for t, _ in warm)
-        + "; throughput per batch (tok/s) "
+        + " (tokens hit "
+        + " ".join(f"{h:.0f}" for h in hits)
+        + "); throughput per batch (tok/s) "
         + " ".join(f"{x:.0f}" for x in tputs),
         flush=True,
     )
@@ -106,40 +117,56 @@ def measure(
         "cold_wall": [w for _, w in cold],
         "warm_wall": [w for _, w in warm],
         "tput": tputs,
+        "warm_hit": hits,
     }
 
 
-def pooled(rounds: list[dict[str, list[float]]]) -> dict[str, float]:
-    """Medians over every round's samples of one engine."""
-    return {
-        name: statistics.median(x for r in rounds for x in r[name])
-        for name in ("cold", "floor", "warm", "cold_wall", "warm_wall", "tput")
-    }
+VARIANTS = ("base", "lmcache", "on", "off", "no-save", "offload")
 
 
-_VARIANTS = ("base", "lmcache", "no-save")
+def engine_config(variant: str, kv: dict[str, Any]) -> dict[str, Any] | None:
+    """``variant``'s ``kv_transfer_config`` from lmcache's ``kv`` (see :func:`fresh_engine`)."""
+    if variant not in VARIANTS:
+        raise SystemExit(f"unknown engine variant {variant!r}; expected one of {VARIANTS}")
+    if variant == "base":
+        return None
+    extra = dict(kv["kv_connector_extra_config"])
+    if variant == "offload":
+        # the same host bytes as lmcache's pool (max_local_cpu_size is in GiB)
+        gib = float(extra.get("lmcache.max_local_cpu_size", 5.0))
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": int(gib * 2**30)},
+        }
+    if variant in ("on", "off"):
+        extra["lmcache.checksum"] = variant == "on"
+    config = dict(kv, kv_connector_extra_config=extra)
+    if variant == "no-save":
+        config["kv_role"] = "kv_consumer"
+    return config
 
 
 @contextlib.contextmanager
 def fresh_engine(variant: str, model: Path, kv: dict[str, Any], max_len: int) -> Iterator[Any]:
-    """A fresh engine of ``variant`` (``base``: vLLM alone; ``lmcache``: with ``kv``;
-    ``no-save``: ``kv`` as ``kv_consumer``, lookups only) over an empty process tier, its host
-    pool pinned before it is used (pinning is not what this measures); shut down after."""
+    """A fresh engine of ``variant`` over an empty process tier, shut down after.
+
+    ``base``: vLLM alone; ``lmcache``: with lmcache's ``kv``; ``on``/``off``: ``kv`` with
+    lmcache's checksums on/off; ``no-save``: ``kv`` as ``kv_consumer``, lookups only;
+    ``offload``: vLLM's own ``OffloadingConnector`` over as many host bytes as ``kv``'s pool.
+    lmcache's host pool is pinned before the engine is used (pinning is not what this
+    measures); the seconds until then are logged."""
     from lmcache.tiers import reset_process_cpu_tiers
     from lmcache_vllm.vllm_v1_adapter import live_engines
 
-    if variant not in _VARIANTS:
-        raise SystemExit(f"unknown engine variant {variant!r}; expected one of {_VARIANTS}")
-    config: dict[str, Any] | None = None
-    if variant != "base":
-        config = dict(kv)
-        if variant == "no-save":
-            config["kv_role"] = "kv_consumer"
+    config = engine_config(variant, kv)
     reset_process_cpu_tiers()
+    start = time.perf_counter()
     llm = gpu_engine(model, config, max_len, ENGINE_MEMORY)
     try:
         for engine in live_engines():
             engine.pool.wait_prepinned(timeout=300)
+        log(f"{variant}: engine started in {time.perf_counter() - start:.1f} s")
         yield llm
     finally:
         shutdown_engine(llm)

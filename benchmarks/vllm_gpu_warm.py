@@ -12,7 +12,8 @@ more (*warm*: lmcache loads them). Per warm request it prints the TTFT, how long
 for the lookup's answer, and whether the hit was copied to the GPU at lookup (within the
 prefetch budget) or had to be checked through the scratch buffer and copied again at load.
 Last, the median warm TTFT against the physical bound: the KV bytes over a pinned
-host-to-device copy plus the floor's median, both measured in this run (target: at most 1.3x).
+host-to-device copy plus the floor's median, both measured in this run (target: at most 1.1x,
+as in ``vllm_gpu.py``).
 ``--smoke`` checks the script on vLLM's CPU build (no prefetch there).
 """
 
@@ -122,7 +123,7 @@ def main() -> None:
     print(
         f"warm median {1e3 * statistics.median(warm):.1f} ms against the bound {bound:.1f} ms "
         f"({h2d_ms:.1f} h2d + {1e3 * statistics.median(floor):.1f} floor): {ratio:.2f}x "
-        f"(target <= 1.3x: {'met' if ratio <= 1.3 else 'missed'})"
+        f"(target <= 1.1x: {'met' if ratio <= 1.1 else 'missed'})"
     )
 
 
