@@ -178,3 +178,23 @@ def test_a_store_gathers_on_a_few_sms(device, monkeypatch) -> None:
     _streams(src, device)
     _stored(src, chunk_buffers(src, RANGES, "adjacent"), _slots(N, 72, "cpu"))
     assert caps and all(0 < c <= 8 for c in caps)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_prefetch_in_pieces_is_checked_piece_by_piece(device, monkeypatch, sums_computed) -> None:
+    """A hit copied in pieces of whole chunks is checked piece by piece, each after its own
+    copy: the verdicts are those of one check of the whole copy."""
+    monkeypatch.setattr(FusedTransfer, "min_piece_bytes", 1)
+    monkeypatch.setattr(FusedTransfer, "kernel_pieces", 4)
+    _, src = _checked_conn("lbnhc", device, 81)
+    chunks = _stored(src, chunk_buffers(src, RANGES, "scattered"), _slots(N, 82, "cpu"))
+    chunks[2].buffer.reshape(-1).view(torch.uint8)[1] ^= 0x02
+    sums_computed.clear()
+    _, dst = _checked_conn("lbnhc", device, 83)
+    _streams(dst, device)
+    stream = dst.backend.new_stream(dst.device)
+    staged = dst.prefetch(chunks, stream)
+    assert staged is not None and [stop for stop, _ in staged.chunk_events] == [1, 2, 3, 4]
+    assert dst.verify_chunks(chunks, stream, staged) == [True, True, False, True]
+    assert sums_computed == [1, 1, 1, 1]
+    assert dst.verify_chunks(chunks[:3], stream, staged) == [True, True, False]

@@ -175,6 +175,8 @@ class Prefetched:
     event: Any
     stream: Any
     layer_events: list[tuple[int, Any]] = field(default_factory=list)
+    # (chunk stop, event) per piece of whole chunks, in order, when copied chunk by chunk
+    chunk_events: list[tuple[int, Any]] = field(default_factory=list)
     # (weak reference to the transfer, chunk ranges and buffers) -> (plan, base, device indices)
     # of the last load from this copy: a layerwise load scatters it in several layer groups
     # with the same indices

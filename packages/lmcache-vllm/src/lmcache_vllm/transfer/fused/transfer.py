@@ -135,7 +135,7 @@ class FusedTransfer(FusedStore):
         if not backend.has_streams or not self._fused_any or not chunks:
             return None
         full = range(self.num_layers)
-        plan = self._plan(full, chunks, 0, piece_bytes=0)
+        plan = self._kernel_plan(full, chunks, 0)  # pieces of whole chunks, each with an event
         grouped = (  # groups that tile every layer in order; anything else: one copy
             len(groups) > 1
             and groups[0].start == 0
@@ -144,6 +144,7 @@ class FusedTransfer(FusedStore):
             and all(x.stop == y.start for x, y in itertools.pairwise(groups))
         )
         layer_events: list[tuple[int, Any]] = []
+        chunk_events: list[tuple[int, Any]] = []
         with backend.use_stream(stream):
             staging = torch.empty(
                 plan.total * plan.row_bytes, dtype=torch.uint8, device=self.device
@@ -165,14 +166,18 @@ class FusedTransfer(FusedStore):
                     self._copy_runs(runs, staging, to_host=False, piece=piece)
                     layer_events.append((group.stop, backend.event_after(stream)))
                 event = layer_events[-1][1]
-            else:
-                self._copy_runs(plan, staging, to_host=False)
-                event = backend.event_after(stream)
+            else:  # a lookup's check of piece i runs while piece i + 1 is copied
+                for piece, (_, stop, _, _) in enumerate(piece_spans(plan)):
+                    self._copy_runs(plan, staging, to_host=False, piece=piece)
+                    chunk_events.append((stop, backend.event_after(stream)))
+                event = chunk_events[-1][1]
         offsets, pos = [], 0
         for start, end, _ in plan.staged:
             offsets.append(pos * plan.row_bytes)
             pos += end - start
-        return Prefetched(staging, plan.staged, offsets, event, stream, layer_events)
+        return Prefetched(
+            staging, plan.staged, offsets, event, stream, layer_events, chunk_events=chunk_events
+        )
 
     def _fused_to_staged(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
@@ -243,9 +248,9 @@ class FusedTransfer(FusedStore):
         in_place = prefetched is not None and prefetched.chunks[: len(chunks)] == keys
         staged = None
         if prefetched is not None and in_place:
-            self.backend.wait_event(stream, prefetched.event)
             self.backend.record_stream(prefetched.staging, stream)
-            staged = (prefetched.staging, prefetched.offsets)
+            ready = prefetched.chunk_events or [(len(prefetched.chunks), prefetched.event)]
+            staged = (prefetched.staging, prefetched.offsets, ready)
         ok = self._sums.verify_chunks(chunks, stream, staged)
         if prefetched is not None and in_place:
             prefetched.verified.update(

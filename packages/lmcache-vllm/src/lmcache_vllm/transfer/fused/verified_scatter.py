@@ -269,14 +269,15 @@ class ChunkChecksums:
         self,
         chunks: Sequence[ChunkTransfer],
         stream: Any,
-        staged: tuple[torch.Tensor, Sequence[int]] | None = None,
+        staged: tuple[torch.Tensor, Sequence[int], Sequence[tuple[int, Any]]] | None = None,
     ) -> list[bool]:
         """Whether each chunk's bytes match its ``checksum`` (``True`` without one); waits.
 
-        ``staged``: a device copy of the chunks, back to back (the buffer and each chunk's
-        byte offset in it, e.g. a hit's prefetch), enqueued on ``stream``; it is checked in
-        place. Without it the chunks are copied through a scratch buffer of at most
-        :attr:`scratch_bytes`, piece by piece, on ``stream``.
+        ``staged``: a device copy of the chunks, back to back (e.g. a hit's prefetch), checked
+        in place. It is the buffer, each chunk's byte offset in it, and ``(chunk stop, event)``
+        per piece of its copy: each piece is checked once its own copy is in. Without it the
+        chunks are copied through a scratch buffer of at most :attr:`scratch_bytes`, piece by
+        piece, on ``stream``.
         """
         sizes = [c.buffer.numel() * c.buffer.element_size() for c in chunks]
         expected = [c.checksum for c in chunks]
@@ -284,9 +285,22 @@ class ChunkChecksums:
         parts: list[torch.Tensor] = []
         with backend.use_stream(stream):
             if staged is not None:
-                buf, offs = staged
-                bounds = [*offs[: len(chunks)], offs[len(chunks) - 1] + sizes[-1]]
-                parts.append(self._check(buf, bounds, expected))
+                buf, offs, ready = staged
+                ends = [*offs[1 : len(chunks)], offs[len(chunks) - 1] + sizes[-1]]
+                first = 0
+                for stop, event in ready:
+                    stop = min(stop, len(chunks))
+                    if stop <= first:
+                        continue
+                    backend.wait_event(stream, event)
+                    bounds = [*offs[first:stop], ends[stop - 1]]
+                    parts.append(self._check(buf, bounds, expected[first:stop]))
+                    first = stop
+                if first < len(chunks):
+                    raise ValueError(
+                        f"verify_chunks: the staged copy's pieces end at chunk {first}; "
+                        f"expected all {len(chunks)} chunks"
+                    )
             else:
                 cap = max(self.scratch_bytes, max(sizes))
                 scratch = torch.empty(min(cap, sum(sizes)), dtype=torch.uint8, device=self.device)
