@@ -4,8 +4,11 @@ the host bounds (a 256-token request moves 32 MiB, about 0.6 ms at the PCIe ceil
 
 ``python benchmarks/gpu_transfer_profile.py [--tokens 256] [--reps 200] [--top 25]`` on a CUDA
 machine (``--smoke``: a 2-layer geometry on the CPU, to check the script). The geometry and
-engine are ``gpu_transfer.py``'s (Llama-8B KV, default config: checksums on). For each
-direction it prints two medians and one profile:
+engine are ``gpu_transfer.py``'s: the engine that vLLM's worker builds over its caches
+(``_worker_path.Rig``: Llama-8B KV, default config). The calls profiled are that engine's
+``store`` and ``retrieve`` on this thread, not the worker's hooks: the worker copies a save on
+its own thread, which cProfile does not see. For each direction it prints two medians and one
+profile:
 
 - ``host``: from the call to its return;
 - ``total``: from the call until the device is idle;
@@ -27,9 +30,12 @@ from collections.abc import Callable
 
 import torch
 
+from lmcache.gpu_connector import TransferSpec
+from lmcache_vllm.transfer.transfer_plan import slot_mapping
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import gpu_transfer as bench
 from _common import median, sync
+from _worker_path import DTYPE, HEAD, HEADS, PAGE, Rig, ceilings
 
 
 def split_ms(
@@ -88,17 +94,24 @@ def main() -> int:
         raise SystemExit("gpu_transfer_profile.py needs a CUDA GPU (--smoke runs it on the CPU)")
     device = torch.device("cuda" if cuda else "cpu")
     layers = 32 if cuda else 2
-    cache = bench.Cache(device, layers, args.tokens + 4 * bench.PAGE)
-    req = cache.request(args.tokens, 1)
-    engine = cache.engine(max(4 * req.nbytes / 2**30, 0.25), None)
-    ceil = bench.ceilings(device, req.nbytes, 20)
+    nbytes = args.tokens * layers * 2 * HEADS * HEAD * DTYPE.itemsize
+    rig = Rig(device, layers, args.tokens + 4 * PAGE, max(4 * nbytes / 2**30, 0.25), None)
+    req, engine = rig.request(args.tokens, 1), rig.engine
+    ceil = ceilings(device, req.nbytes, 20)
     print(
         f"{args.tokens} tokens, {req.nbytes / 2**20:.1f} MiB, {layers} layers; pinned copy: "
         f"d2h {ceil['d2h']:.3f} ms, h2d {ceil['h2d']:.3f} ms",
         flush=True,
     )
     try:
-        store, load = bench.store_fn(engine, req), bench.load_fn(engine, req)
+        spec = TransferSpec(slot_mapping(req.blocks, PAGE, len(req.tokens)))
+
+        def store() -> object:
+            return engine.store(req.tokens, None, spec)
+
+        def load() -> object:
+            return engine.retrieve(req.tokens, None, spec)
+
         for what, fn, setup, way in (
             ("store", store, engine.clear, "d2h"),
             ("load", load, None, "h2d"),
@@ -113,7 +126,7 @@ def main() -> int:
             )
             print(profile(device, fn, args.reps, setup, args.top), flush=True)
     finally:
-        engine.close()
+        rig.close()
     return 0
 
 
