@@ -74,3 +74,56 @@ def test_a_bad_token_past_the_hit_is_not_read_from_a_list(engine: LMCacheEngine)
         engine.lookup(np.array(bad))
     with pytest.raises(ValueError, match=rf"token_ids\[{3 * CS}\] = -1"):
         engine.lookup([*tokens[: 3 * CS], -1])  # in the chunk the answer needs
+
+
+def test_lookup_and_lease_matches_the_key_by_key_reference(engine: LMCacheEngine) -> None:
+    """The lease reads the CPU tier in doubling runs of keys too: it holds exactly the chunks
+    of the reference's hit, each with the shape of its tokens, for every input type."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(50_000) for _ in range(MAX_TOKENS)]
+    for stored in (0, 1, 2, 3, 5, 8, 13, 34):
+        engine.clear()
+        if stored:
+            n = stored * CS
+            engine.store(prompt[:n], None, TransferSpec(torch.arange(n)))
+        for length in (1, CS, 3 * CS + 2, 20 * CS, MAX_TOKENS - 3):
+            tokens = prompt[:length]
+            want = _reference(engine, tokens)
+            keys = chunk_keys(tokens, engine._fingerprint, CS, salt=engine.config.cache_salt + "\0")
+            for source in (tokens, tuple(tokens), np.array(tokens), torch.tensor(tokens)):
+                with engine.lookup_and_lease(source) as hit:  # type: ignore[arg-type]
+                    assert hit.num_tokens == want, (stored, length, type(source))
+                    assert hit.keys == keys[: -(-want // CS)]
+                    sizes = [t.shape[1] for t in hit.tensors()]
+                    assert sizes == [min(CS, want - i * CS) for i in range(len(hit))]
+    held = [e.lease.ref_count for e in engine.tier._entries.values()]
+    assert held and all(refs == 1 for refs in held)  # every lease went with its hit
+
+
+def test_a_bad_token_past_the_hit_is_not_read_by_lookup_and_lease(
+    engine: LMCacheEngine,
+) -> None:
+    tokens = list(range(100, 100 + 8 * CS))
+    engine.store(tokens[: 3 * CS], None, TransferSpec(torch.arange(3 * CS)))
+    bad = [*tokens[: 5 * CS], -1, *tokens[5 * CS + 1 :]]  # in chunk 5; chunk 3 is missing
+    with engine.lookup_and_lease(bad) as hit:  # runs [0, 1), [1, 3), [3, 7) would read chunk 5
+        assert hit.num_tokens == 3 * CS
+    with pytest.raises(ValueError, match=rf"token_ids\[{3 * CS}\] = -1"):
+        engine.lookup_and_lease([*tokens[: 3 * CS], -1])  # in the chunk the answer needs
+    held = [e.lease.ref_count for e in engine.tier._entries.values()]
+    assert held == [1, 1, 1]  # the leases taken before the error were released
+
+
+def test_a_chunk_of_another_shape_ends_the_lease(
+    engine: LMCacheEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    tokens = list(range(7, 7 + 4 * CS))
+    engine.store(tokens, None, TransferSpec(torch.arange(4 * CS)))
+    keys = chunk_keys(tokens, engine._fingerprint, CS, salt=engine.config.cache_salt + "\0")
+    lease = engine.tier.allocate((1, CS // 2, engine.metadata.kv_width), torch.float32)
+    assert lease is not None
+    with lease:  # chunk 2 replaced by bytes of half its tokens: a miss from there on
+        engine.tier.put(keys[2], lease, None, owner=engine._fingerprint, parent=keys[1])
+    with engine.lookup_and_lease(tokens) as hit:
+        assert hit.num_tokens == 2 * CS
+    assert f"Chunk {keys[2].hex()} has shape" in caplog.text

@@ -11,7 +11,8 @@ verified again. A chunk of the wrong shape is a miss.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ from lmcache.engine.tiers import EngineTiers
 from lmcache.gpu_connector.interface import ChunkTransfer
 from lmcache.memory import LeaseError, MemoryLease
 from lmcache.tiers import cascade
+from lmcache.tiers.cascade import ChunkShape
 
 __all__ = ["HitReader", "check_held", "hit_mask"]
 
@@ -44,30 +46,95 @@ class HitReader:
         """Leases on the longest run of stored chunks from chunk ``first`` on, in any tier.
 
         Chunks in ``held`` get a share of its lease. The caller releases the leases.
+        With the CPU tier alone, its run is read in doubling runs of keys
+        (:meth:`_cpu_run`); below it, :func:`lmcache.tiers.cascade.hit_run` reads the lower
+        tiers.
         """
         tiers = self._tiers
         keys = plan.keys[first:] if first else plan.keys  # a lazy chain stays lazy
         ranges = plan.ranges[first:]
-        shapes = [tiers.chunk_shape(tiers.chunk_size)] * len(ranges)
+        full = tiers.chunk_shape(tiers.chunk_size)
+        shapes = [full] * len(ranges)
         if ranges and ranges[-1][1] - ranges[-1][0] != tiers.chunk_size:
             shapes[-1] = tiers.chunk_shape(ranges[-1][1] - ranges[-1][0])
 
-        def cpu_lease(i: int) -> MemoryLease | None:
-            start, end = ranges[i]
-            lease = held.share(keys[i]) if held is not None else None
-            if lease is not None:
-                return self._check_shape(keys[i], lease, end - start)
-            return self._get(keys[i], start, end)
-
+        if not tiers.stack.lower:
+            return self._cpu_run(keys, shapes, held)
+        lease_of = self._leaser(held)
         leases = cascade.hit_run(
             tiers.stack,
             keys,
             shapes,
             tiers.metadata.kv_dtype,
-            cpu_lease=cpu_lease,
+            cpu_lease=lambda i: lease_of(keys[i], shapes[i]),
             parent=plan.keys[first - 1] if first else None,
         )
         return list(zip(keys, leases, strict=False))
+
+    def _cpu_run(
+        self, keys: Sequence[bytes], shapes: Sequence[ChunkShape], held: HeldHit | None
+    ) -> list[tuple[bytes, MemoryLease]]:
+        """Leases on the leading ``keys`` in ``held`` or the CPU tier, up to the first miss.
+
+        Keys are read in runs of 1, 2, 4, ... (a lazy chain hashes each run in one step, at most
+        about twice as far as the hit goes). A bad token id of a list in a run is read only if
+        the hit reaches it: from that run on, keys are read one at a time. On an exception the
+        leases taken so far are released.
+        """
+        out: list[tuple[bytes, MemoryLease]] = []
+        total, run = len(keys), 1
+        lease_of = self._leaser(held)
+        try:
+            while len(out) < total:
+                found = len(out)
+                try:
+                    batch: Sequence[bytes] = keys[found : found + run]
+                except (TypeError, ValueError):  # raise only for a key the hit reaches
+                    batch = _OneByOne(keys, found)
+                for i, key in enumerate(batch, found):
+                    lease = lease_of(key, shapes[i])
+                    if lease is None:
+                        return out
+                    out.append((key, lease))
+                run *= 2
+        except BaseException:
+            for _, lease in out:
+                lease.release()
+            raise
+        return out
+
+    def _leaser(self, held: HeldHit | None) -> Callable[[bytes, ChunkShape], MemoryLease | None]:
+        """``lease_of(key, shape)``: a share of ``held``'s lease on ``key``, else a verified
+        lease from the CPU tier; ``None`` on a miss or a chunk of another shape.
+
+        The tier and metrics are read once per hit, not once per chunk (a 32k-token hit has
+        128 chunks).
+        """
+        tiers = self._tiers
+        get, metrics = tiers.tier.get, tiers.metrics
+
+        def lease_of(key: bytes, shape: ChunkShape) -> MemoryLease | None:
+            lease = held.share(key) if held is not None else None
+            if lease is None:
+                try:
+                    lease = get(key, metrics=metrics)
+                except Exception as exc:
+                    tiers.tier_error("get a chunk", exc)
+                    return None
+                if lease is None:
+                    return None
+            if lease.tensor.shape == shape:
+                return lease
+            logger.warning(
+                "Chunk %s has shape %s, expected %s; treating it as a miss.",
+                key.hex(),
+                tuple(lease.tensor.shape),
+                shape,
+            )
+            lease.release()
+            return None
+
+        return lease_of
 
     def acquire(self, plan: RequestPlan, held: HeldHit | None = None) -> list[Pending]:
         """Leases on the longest run of present chunks after the masked prefix.
@@ -115,29 +182,22 @@ class HitReader:
             self._tiers.drop_bad_chunk(hit.keys[i])
         hit.truncate(bad[0], bad[0] * self._tiers.chunk_size)
 
-    def _get(self, key: bytes, start: int, end: int) -> MemoryLease | None:
-        """A verified lease on chunk ``key`` of tokens ``[start, end)``, or ``None`` on a miss."""
-        tiers = self._tiers
-        try:
-            lease = tiers.tier.get(key, metrics=tiers.metrics)
-        except Exception as exc:
-            tiers.tier_error("get a chunk", exc)
-            return None
-        return None if lease is None else self._check_shape(key, lease, end - start)
 
-    def _check_shape(self, key: bytes, lease: MemoryLease, num_tokens: int) -> MemoryLease | None:
-        """``lease`` if its buffer has the chunk's shape; else it is released (a miss)."""
-        expected = self._tiers.chunk_shape(num_tokens)
-        if lease.tensor.shape == expected:
-            return lease
-        logger.warning(
-            "Chunk %s has shape %s, expected %s; treating it as a miss.",
-            key.hex(),
-            tuple(lease.tensor.shape),
-            expected,
-        )
-        lease.release()
-        return None
+class _OneByOne(Sequence[bytes]):
+    """``keys[start:]``, each key read only when it is reached (see :meth:`HitReader._cpu_run`)."""
+
+    def __init__(self, keys: Sequence[bytes], start: int) -> None:
+        self._keys, self._start = keys, start
+
+    def __len__(self) -> int:
+        return len(self._keys) - self._start
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            raise TypeError("_OneByOne is read one key at a time")
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self._keys[self._start + index]
 
 
 def check_held(held: HeldHit | None, action: str) -> None:
