@@ -13,7 +13,10 @@ processes). The lifecycle:
    sends the :class:`LookupQuery` to *every* rank at once, then collects the replies until *one*
    overall deadline (``timeout_s`` from the start of the call). The answer is the minimum over
    the ranks: a token counts only when every rank holds its shard. The worker leases the hit chunks
-   under ``req_id`` when it answers, so the load that follows finds them. A rank whose server lives
+   under ``req_id`` when it answers, so the load that follows finds them. The same lookup asked
+   again (vLLM asks at every step while the request waits) is sent as its request id and
+   digest, not its token ids; a server that no longer remembers it asks for it whole
+   (:mod:`lmcache_vllm.scheduler.sent_lookups`). A rank whose server lives
    in the client's own process (vLLM's scheduler and a single worker share the engine-core
    process) is called directly: same answer, no socket round trip; when every rank is, no frame
    is packed either (the query's limits are checked, its token ids where their keys are made).

@@ -14,16 +14,24 @@ starts with ``u8 op``:
       u32 n_tokens, n_tokens x u32  prompt token ids (<= MAX_TOKENS)
 
 - ``op = 2`` (:data:`OP_CLEAR`) clear: no body.
+- ``op = 3`` (:data:`OP_AGAIN`) the same lookup again (vLLM asks again for a waiting request)::
 
-The reply to either is one ``i64`` (:data:`REPLY`): the leading tokens present (0 for a clear), or
-``-1`` when the server failed (the callback raised or returned a value outside
-``[0, n_tokens]``). A request that breaks the format or a limit makes the server close that
-connection, with one warning.
+      u16 id_len,   id_len bytes    request id (utf-8, <= MAX_ID_BYTES)
+      16 bytes                      xxh3-128 of the lookup's whole frame (:func:`lookup_digest`)
 
-:func:`encode_lookup` and :func:`encode_clear` frame requests (the former refuses a query beyond a
-limit with :class:`ValueError`); :func:`decode_request` and :func:`decode_request_body` read them
-back from a blocking socket. Sockets, connections, deadlines and failures are
-:mod:`lmcache_vllm.lookup_sockets`' part.
+  The server answers it as the lookup it remembers under that request id and digest (it keeps
+  the latest ones it received, bounded), or with :data:`UNKNOWN` when it has none: the client
+  then sends the whole lookup. Only a few dozen bytes cross the socket instead of 4 per token.
+
+The reply to any request is one ``i64`` (:data:`REPLY`): the leading tokens present (0 for a
+clear), ``-1`` when the server failed (the callback raised or returned a value outside
+``[0, n_tokens]``), or :data:`UNKNOWN` (``-2``, to ``op = 3`` only). A request that breaks the
+format or a limit makes the server close that connection, with one warning.
+
+:func:`encode_lookup`, :func:`encode_again` and :func:`encode_clear` frame requests (the first
+refuses a query beyond a limit with :class:`ValueError`); :func:`decode_request` and
+:func:`decode_request_body` read them back from a blocking socket. Sockets, connections,
+deadlines and failures are :mod:`lmcache_vllm.lookup_sockets`' part.
 """
 
 from __future__ import annotations
@@ -39,28 +47,37 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 __all__ = [
+    "DIGEST_BYTES",
     "MAX_EXTRA_KEYS",
     "MAX_EXTRA_KEY_BYTES",
     "MAX_ID_BYTES",
     "MAX_SALT_BYTES",
     "MAX_TOKENS",
+    "OP_AGAIN",
     "OP_CLEAR",
     "OP_LOOKUP",
     "REPLY",
+    "UNKNOWN",
+    "Again",
     "LookupQuery",
     "check_lookup",
     "decode_request",
     "decode_request_body",
+    "encode_again",
     "encode_clear",
     "encode_lookup",
+    "lookup_digest",
 ]
 
 OP_LOOKUP = 1
 """Request op byte of a lookup."""
 OP_CLEAR = 2
 """Request op byte of a clear."""
+OP_AGAIN = 3
+"""Request op byte of a lookup sent before, named by its request id and frame digest."""
 MAX_ID_BYTES = 256
 """Largest request id (utf-8 bytes)."""
 MAX_SALT_BYTES = 256
@@ -73,7 +90,12 @@ MAX_TOKENS = 1 << 22
 """Most token ids in one lookup."""
 
 REPLY = struct.Struct("<q")
-"""The reply to any request: one little-endian ``i64`` (hit tokens; 0 for a clear; -1: failed)."""
+"""The reply to any request: one little-endian ``i64`` (hit tokens; 0 for a clear; -1: failed;
+:data:`UNKNOWN`)."""
+UNKNOWN = -2
+"""The reply to an :data:`OP_AGAIN` whose lookup the server does not remember: send it whole."""
+DIGEST_BYTES = 16
+"""Bytes of a lookup frame's digest (xxh3-128)."""
 
 _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
@@ -113,6 +135,19 @@ class LookupQuery:
             and len(self.tokens) == len(other.tokens)
             and all(int(a) == int(b) for a, b in zip(self.tokens, other.tokens, strict=True))
         )
+
+
+@dataclass(frozen=True)
+class Again:
+    """A lookup sent before (:data:`OP_AGAIN`), as decoded by the server.
+
+    Attributes:
+        req_id: The request id of that lookup.
+        digest: :func:`lookup_digest` of that lookup (its whole frame's xxh3-128).
+    """
+
+    req_id: str
+    digest: bytes
 
 
 def _utf8(text: str, limit: int, what: str) -> bytes:
@@ -224,6 +259,40 @@ def encode_lookup(query: LookupQuery) -> bytes:
     return b"".join(parts)
 
 
+def lookup_digest(query: LookupQuery, frame: bytes | None = None) -> bytes:
+    """xxh3-128 of the frame :func:`encode_lookup` makes of ``query`` (``frame``, when given,
+    is that frame: it is hashed as it is).
+
+    A decoded query (little-endian uint32 token ids) is hashed without building its frame.
+
+    Raises:
+        ValueError: As :func:`encode_lookup`.
+    """
+    if frame is not None:
+        return xxhash.xxh3_128_digest(frame)
+    tokens = query.tokens
+    if not (isinstance(tokens, np.ndarray) and tokens.dtype == np.dtype("<u4")):
+        return xxhash.xxh3_128_digest(encode_lookup(query))
+    hasher = xxhash.xxh3_128()
+    for part in _head(query):
+        hasher.update(part)
+    hasher.update(np.ascontiguousarray(tokens).data.cast("B"))
+    return hasher.digest()
+
+
+def encode_again(req_id: str, digest: bytes) -> bytes:
+    """Frame an :data:`OP_AGAIN` request: the lookup of ``req_id`` whose frame hashed to
+    ``digest`` (:func:`lookup_digest`), sent before.
+
+    Raises:
+        ValueError: ``req_id`` beyond :data:`MAX_ID_BYTES`, or a digest of another length.
+    """
+    data = _utf8(req_id, MAX_ID_BYTES, "request id")
+    if len(digest) != DIGEST_BYTES:
+        raise ValueError(f"lookup digest is {len(digest)} bytes; expected {DIGEST_BYTES}")
+    return b"".join((_U8.pack(OP_AGAIN), _U16.pack(len(data)), data, bytes(digest)))
+
+
 def encode_clear() -> bytes:
     """Frame a clear request."""
     return _U8.pack(OP_CLEAR)
@@ -253,11 +322,12 @@ def _recv_str(sock: socket.socket, limit: int, what: str) -> str:
         raise ValueError(f"{what} is not utf-8 ({exc.reason} at byte {exc.start})") from None
 
 
-def decode_request_body(sock: socket.socket, op: int) -> LookupQuery | None:
+def decode_request_body(sock: socket.socket, op: int) -> LookupQuery | Again | None:
     """Read the rest of a request whose op byte, ``op``, was already read from ``sock``.
 
     Returns:
-        The :class:`LookupQuery` of a lookup, ``None`` for a clear.
+        The :class:`LookupQuery` of a lookup, an :class:`Again` for a lookup sent before,
+        ``None`` for a clear.
 
     Raises:
         ConnectionError: The peer closed before the request was complete.
@@ -265,8 +335,14 @@ def decode_request_body(sock: socket.socket, op: int) -> LookupQuery | None:
     """
     if op == OP_CLEAR:
         return None
+    if op == OP_AGAIN:
+        again_id = _recv_str(sock, MAX_ID_BYTES, "request id")
+        return Again(again_id, bytes(_recv_exact(sock, DIGEST_BYTES)))
     if op != OP_LOOKUP:
-        raise ValueError(f"unknown op {op}; expected {OP_LOOKUP} (lookup) or {OP_CLEAR} (clear)")
+        raise ValueError(
+            f"unknown op {op}; expected {OP_LOOKUP} (lookup), {OP_CLEAR} (clear) or "
+            f"{OP_AGAIN} (lookup again)"
+        )
     req_id = _recv_str(sock, MAX_ID_BYTES, "request id")
     salt = _recv_str(sock, MAX_SALT_BYTES, "salt")
     (n_extra,) = _U16.unpack(_recv_exact(sock, 2))
@@ -293,11 +369,11 @@ def decode_request_body(sock: socket.socket, op: int) -> LookupQuery | None:
 _NO_TOKENS: npt.NDArray[np.uint32] = np.empty(0, dtype="<u4")
 
 
-def decode_request(sock: socket.socket) -> LookupQuery | None:
+def decode_request(sock: socket.socket) -> LookupQuery | Again | None:
     """Read one request from ``sock`` (blocking, under the socket's own timeout).
 
     Returns:
-        The :class:`LookupQuery` of a lookup, ``None`` for a clear.
+        As :func:`decode_request_body`.
 
     Raises:
         ConnectionError: The peer closed before the request was complete.

@@ -185,7 +185,7 @@ def test_encode_rejects_what_breaks_a_limit(query, match):
 @pytest.mark.parametrize(
     ("payload", "match"),
     [
-        (b"\x07", r"unknown op 7; expected 1 \(lookup\) or 2 \(clear\)"),
+        (b"\x07", r"unknown op 7; expected 1 \(lookup\), 2 \(clear\) or 3 \(lookup again\)"),
         (b"\x01" + struct.pack("<H", MAX_ID_BYTES + 1), "request id length 257 exceeds the limit"),
         (b"\x01\x00\x00" + struct.pack("<H", MAX_SALT_BYTES + 1), "salt length 257 exceeds"),
         (

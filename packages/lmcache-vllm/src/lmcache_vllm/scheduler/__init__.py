@@ -8,5 +8,7 @@ Lookups that may read a disk or remote tier run on a small thread pool of their 
 the chunk keys.
 The lookup client (:mod:`~lmcache_vllm.scheduler.lookup_client`) asks every worker rank how many
 leading tokens lmcache holds.
+It remembers the lookups it sent whole (:mod:`~lmcache_vllm.scheduler.sent_lookups`), so a
+lookup that vLLM asks again for a waiting request crosses the socket in a few bytes.
 Nothing here touches the KV cache, and nothing here may raise into vLLM.
 """

@@ -14,12 +14,20 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 from lmcache.tiers.tier_guard import TierGuard, TierTimeout, TierUnavailable
 from lmcache_vllm.lookup_sockets import LogThrottle, socket_path, unsafe_folder
-from lmcache_vllm.lookup_wire import REPLY, LookupQuery, check_lookup, encode_clear, encode_lookup
+from lmcache_vllm.lookup_wire import (
+    REPLY,
+    UNKNOWN,
+    LookupQuery,
+    check_lookup,
+    encode_clear,
+)
+from lmcache_vllm.scheduler.sent_lookups import SentLookups
 from lmcache_vllm.worker.lookup_server import LookupServer, local_server
 
 __all__ = ["LookupClient"]
@@ -58,14 +66,30 @@ class _Rank:
 
 
 class _Exchange:
-    """One request in flight to one rank."""
+    """One request in flight to one rank; ``whole`` frames the lookup whole when ``payload``
+    only names it (:data:`~lmcache_vllm.lookup_wire.OP_AGAIN`) and the rank does not know it."""
 
-    __slots__ = ("conn", "out", "rank", "reply", "sent")
+    __slots__ = ("conn", "out", "rank", "reply", "sent", "whole")
 
-    def __init__(self, rank: _Rank, conn: socket.socket, payload: bytes) -> None:
+    def __init__(
+        self,
+        rank: _Rank,
+        conn: socket.socket,
+        payload: bytes,
+        whole: Callable[[], bytes] | None = None,
+    ) -> None:
         self.rank = rank
         self.conn = conn
         self.out = memoryview(payload)
+        self.sent = 0
+        self.reply = bytearray()
+        self.whole = whole
+
+    def send_whole(self) -> None:
+        """Start over with the whole lookup (the rank answered ``UNKNOWN``)."""
+        assert self.whole is not None
+        self.out = memoryview(self.whole())
+        self.whole = None
         self.sent = 0
         self.reply = bytearray()
 
@@ -120,6 +144,7 @@ class LookupClient:
         self._lock = threading.Lock()  # the ranks' idle connections
         self._state_lock = threading.Lock()  # counters and each rank's reported state
         self._closed = False
+        self._sent = SentLookups()
         self._bad_query_log = LogThrottle()
         self._in_process = in_process
         self._direct: TierGuard | None = None
@@ -138,13 +163,14 @@ class LookupClient:
             or any rank misses the deadline, is unreachable or answers garbage or -1.
         """
         deadline = time.monotonic() + self.timeout_s
+        whole: Callable[[], bytes] | None = None
         try:
             servers = self._servers()
             if all(server is not None for server in servers):
                 check_lookup(query)  # nothing goes on the wire: the limits only, no packing
                 payload = b""
             else:
-                payload = encode_lookup(query)
+                payload, whole = self._sent.payload(query)
             limit = len(query.tokens)
         except Exception as exc:
             self._bad_query(query, exc)
@@ -158,15 +184,21 @@ class LookupClient:
                     assert server is not None
                     self._answer_local(rank, server, query, limit, answers)
             else:
-                answers = self._exchange(payload, deadline, limit, query, servers)
+                answers = self._exchange(payload, deadline, limit, query, servers, whole)
         except Exception:  # a bug here must still not reach vLLM's scheduler
             logger.exception("lmcache lookup: unexpected error; counting a miss")
             with self._state_lock:
                 self.failures += 1
             return 0
         if any(a is None for a in answers):
+            if whole is not None:  # e.g. a rank that cannot read OP_AGAIN: next time, whole
+                self._sent.forget(query.req_id)
             return 0
         return min(a for a in answers if a is not None)
+
+    def forget(self, req_id: str) -> None:
+        """Forget what was sent for ``req_id`` (it ended)."""
+        self._sent.forget(req_id)
 
     def _servers(self) -> list[LookupServer | None]:
         """Per rank, its server when it lives in this process (answered by a direct call)."""
@@ -293,10 +325,12 @@ class LookupClient:
         limit: int,
         request: LookupQuery | None,
         servers: list[LookupServer | None],
+        whole: Callable[[], bytes] | None = None,
     ) -> list[int | None]:
         """Send ``payload`` to every rank, collect ``i64`` replies until ``deadline``; ranks
         served in this process (``servers``, from :meth:`_servers`) answer ``request``
-        (``None``: clear) by a direct call.
+        (``None``: clear) by a direct call. A rank that answers ``UNKNOWN`` to a ``payload``
+        that names a lookup sent before gets ``whole()``, the lookup framed whole.
 
         Returns:
             Per rank, its answer in ``[0, limit]``, or ``None`` for a miss.
@@ -317,7 +351,8 @@ class LookupClient:
             for rank in remote:
                 conn = self._connection(rank)
                 if conn is not None:
-                    sel.register(conn, selectors.EVENT_WRITE, _Exchange(rank, conn, payload))
+                    exchange = _Exchange(rank, conn, payload, whole)
+                    sel.register(conn, selectors.EVENT_WRITE, exchange)
             for rank, server in local:  # the remote ranks work meanwhile
                 self._answer_local(rank, server, request, limit, answers)
             while sel.get_map():
@@ -349,8 +384,12 @@ class LookupClient:
                     ex.reply += part
                     if len(ex.reply) < REPLY.size:
                         continue
-                    sel.unregister(conn)
                     (value,) = REPLY.unpack(ex.reply)
+                    if value == UNKNOWN and ex.whole is not None:
+                        ex.send_whole()  # the rank does not remember it: send it whole
+                        sel.modify(conn, selectors.EVENT_WRITE, ex)
+                        continue
+                    sel.unregister(conn)
                     if -1 <= value <= limit:
                         self._give_back(ex.rank, conn)
                     else:

@@ -112,8 +112,11 @@ class PrefixLookups:
         return self.get_client().lookup(query())
 
     def forget(self, rid: str) -> None:
-        """Drop ``rid``'s answer still in flight, unread."""
+        """Drop ``rid``'s answer still in flight, unread, and what the client sent for it."""
         self.pending.pop(rid, None)
+        forget = getattr(self.client, "forget", None)  # tests may put a fake client here
+        if forget is not None:
+            forget(rid)
 
     def _threads(self) -> ThreadPoolExecutor:
         """Threads of asynchronous lookups (each call returns by its deadline: none is held)."""

@@ -4,6 +4,9 @@
 Each worker rank starts one once its KV caches are registered.
 It answers from daemon threads, one per connection, so one slow or stuck peer never blocks another.
 A client in the same process calls it directly (:func:`local_server`).
+The server remembers the latest lookups it received (:class:`_Remembered`), so a client that
+asks again for a waiting request names it (:data:`~lmcache_vllm.lookup_wire.OP_AGAIN`) instead
+of sending its token ids again.
 :mod:`lmcache_vllm.lookup_sockets` walks through the whole exchange.
 """
 
@@ -16,11 +19,19 @@ import os
 import socket
 import stat
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
 from lmcache_vllm.lookup_sockets import SUN_PATH_MAX, LogThrottle, socket_path
-from lmcache_vllm.lookup_wire import REPLY, LookupQuery, decode_request_body
+from lmcache_vllm.lookup_wire import (
+    REPLY,
+    UNKNOWN,
+    Again,
+    LookupQuery,
+    decode_request_body,
+    lookup_digest,
+)
 
 __all__ = ["LookupServer", "local_server"]
 
@@ -28,6 +39,51 @@ logger = logging.getLogger(__name__)
 
 _BODY_TIMEOUT_S = 10.0
 """Server side: once a request's first byte arrived, the rest must follow within this time."""
+
+
+REMEMBERED_LOOKUPS = 256
+"""Most lookups a server remembers for :data:`~lmcache_vllm.lookup_wire.OP_AGAIN` (the newest)."""
+REMEMBERED_TOKENS = 1 << 24
+"""Most token ids those lookups hold together (4 bytes each: 64 MiB)."""
+
+
+class _Remembered:
+    """The latest lookups received, by request id, with their frame digests (thread-safe).
+
+    Bounded by :data:`REMEMBERED_LOOKUPS` and :data:`REMEMBERED_TOKENS`, the oldest forgotten
+    first. A forgotten lookup costs one more round trip: the client sends it whole.
+    """
+
+    def __init__(self) -> None:
+        self._by_id: OrderedDict[str, tuple[bytes, LookupQuery]] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    def put(self, query: LookupQuery) -> None:
+        try:
+            digest = lookup_digest(query)  # off the lock: it hashes the token ids
+        except ValueError:  # pragma: no cover - a decoded query is within every limit
+            return
+        with self._lock:
+            old = self._by_id.pop(query.req_id, None)
+            if old is not None:
+                self._tokens -= len(old[1].tokens)
+            self._by_id[query.req_id] = (digest, query)
+            self._tokens += len(query.tokens)
+            while self._by_id and (
+                len(self._by_id) > REMEMBERED_LOOKUPS or self._tokens > REMEMBERED_TOKENS
+            ):
+                _, (_, gone) = self._by_id.popitem(last=False)
+                self._tokens -= len(gone.tokens)
+
+    def get(self, again: Again) -> LookupQuery | None:
+        """The lookup ``again`` names, or ``None`` (not remembered, or another digest)."""
+        with self._lock:
+            held = self._by_id.get(again.req_id)
+            if held is None or held[0] != again.digest:
+                return None
+            self._by_id.move_to_end(again.req_id)
+            return held[1]
 
 
 _in_process: dict[Path, LookupServer] = {}
@@ -79,6 +135,7 @@ class LookupServer:
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         self._failed_log = LogThrottle()
+        self._remembered = _Remembered()
         self._identity = (-1, -1)  # (st_dev, st_ino) of the socket file once bound
         if len(os.fsencode(self.path)) > SUN_PATH_MAX:
             raise ValueError(
@@ -191,7 +248,14 @@ class LookupServer:
                 except ConnectionError as exc:
                     logger.debug("lmcache lookup server %s: truncated request (%s)", self.path, exc)
                     return
-                conn.sendall(REPLY.pack(self.answer(request)))
+                if isinstance(request, Again):
+                    known = self._remembered.get(request)
+                    reply = UNKNOWN if known is None else self.answer(known)
+                else:
+                    if request is not None:
+                        self._remembered.put(request)
+                    reply = self.answer(request)
+                conn.sendall(REPLY.pack(reply))
         except OSError:
             return
         finally:
