@@ -10,10 +10,28 @@ worker holds them), a torch ``int64`` tensor and a Python list (what vLLM's sche
 list must be converted once, and that conversion alone, ``array('I', ids)``, is timed too as
 the floor of any list input).
 
+With lmcache-vllm installed it also times the path vLLM's scheduler takes
+(:func:`measure_scheduler_lookup`): ``SchedulerSide.get_num_new_matched_tokens`` of a request
+whose 32k-token prompt (a Python list, as vLLM has it) a real ``WorkerSide`` stored, driven as
+vLLM drives both without vLLM (``connector_vllm_config``, KV caches in vLLM's CPU layout,
+``lmcache.checksum`` false: the lookup runs on the scheduler's thread, and neither the tier nor
+the worker's lookup-time copy and check of the hit touch the chunks' bytes). Everything the
+call costs is in: the request's key material, the query, the worker's lookup (hashing the
+token ids, the lease of each hit chunk) and the answer. Four rows:
+
+- ``scheduler, in process``: vLLM with one worker (its engine-core process holds the scheduler
+  and the worker: the client calls the worker's lookup server directly);
+- ``scheduler, socket``: worker ranks in other processes (tensor parallel): the same lookup over
+  the rank's Unix socket to the worker's lookup server (here a thread of this process);
+- each for a ``new request`` (a fresh request id per call: its first lookup; its lease is
+  released after, untimed) and a ``waiting request`` (the same request asked again, as vLLM
+  asks at every step until it schedules the request).
+
 It prints p50 / p99 of each next to the target (``lookup`` p99 < 0.2 ms for 32k tokens, issue
-27) and ``missed`` where the p99 is above it. Run ``python benchmarks/lookup.py [--tokens N]
-[--repeats N]`` in the core venv (torch, numpy and lmcache only; a few seconds).
-:func:`measure_lookup` returns the figures for another benchmark to use.
+27) and ``missed`` where the p99 is above it; without lmcache-vllm the scheduler rows print
+``skipped (lmcache-vllm not installed)``. Run ``python benchmarks/lookup.py [--tokens N]
+[--repeats N]`` (a few seconds). :func:`measure_lookup` returns the figures for another
+benchmark to use.
 """
 
 from __future__ import annotations
@@ -140,8 +158,124 @@ def measure_lookup(num_tokens: int = 32768, repeats: int = 200) -> dict[str, Any
     }
 
 
+def measure_scheduler_lookup(
+    num_tokens: int = 32768, repeats: int = 200
+) -> dict[str, dict[str, float]] | None:
+    """Time vLLM's scheduler-side lookup of a fully cached ``num_tokens`` prompt (see the
+    module docstring); ``None`` when lmcache-vllm is not installed.
+
+    Returns:
+        ``{row: {"p50_ms", "p99_ms"}}`` for the rows ``"in process, new request"``,
+        ``"in process, waiting request"``, ``"socket, new request"`` and
+        ``"socket, waiting request"``.
+
+    Raises:
+        RuntimeError: the stored prompt is not found whole (the figures would time a miss).
+    """
+    try:
+        from lmcache.tiers import reset_process_cpu_tiers
+        from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, ReqMeta, SaveSpec
+        from lmcache_vllm.lookup_sockets import engine_key
+        from lmcache_vllm.scheduler.lookup_client import LookupClient
+        from lmcache_vllm.scheduler.side import SchedulerSide
+        from lmcache_vllm.testing import connector_vllm_config
+        from lmcache_vllm.vllm_v1_adapter import load_lmcache_config
+        from lmcache_vllm.worker.side import WorkerSide
+    except ImportError:
+        return None
+    from types import SimpleNamespace
+
+    block = 16
+    vc = connector_vllm_config(
+        engine_id=f"bench-lookup-{os.getpid()}-{time.time_ns()}",
+        block_size=block,
+        head_size=HEAD,
+        extra_config={
+            "lmcache.chunk_size": CHUNK_SIZE,
+            "lmcache.max_local_cpu_size": 0.05,
+            "lmcache.checksum": False,
+        },
+    )
+    reset_process_cpu_tiers()
+    config = load_lmcache_config(vc)
+    meta = LMCacheConnectorMetadata()
+    worker = WorkerSide(vc, config, engine_key(vc), 1, 0, lambda: meta)
+    scheduler = None
+    try:
+        num_blocks = -(-num_tokens // block) + 1
+        caches = {
+            f"model.layers.{i}.self_attn.attn": torch.zeros(num_blocks, KV_HEADS, block, 2 * HEAD)
+            for i in range(LAYERS)
+        }
+        worker.register_kv_caches(caches)
+        rng = random.Random(1)
+        ids = [rng.randrange(VOCAB) for _ in range(num_tokens)]
+        # one vLLM step that computes (and saves) the whole prompt
+        save = SaveSpec(skip=0, end=num_tokens)
+        meta = LMCacheConnectorMetadata(
+            requests=[ReqMeta("writer", ids, list(range(1, num_blocks)), save=save)]
+        )
+        worker.bind(meta)
+        worker.start_load_kv()
+        for name in caches:
+            worker.wait_for_layer_load(name)
+            worker.save_kv_layer(name)
+        worker.wait_for_save()
+        engine = worker.lmcache_engine
+        assert engine is not None
+        stop = time.monotonic() + 60
+        while engine.lookup(ids) < num_tokens and time.monotonic() < stop:
+            time.sleep(0.01)  # the save is published off the step
+        scheduler = SchedulerSide(vc, config, world_size=1, local_world_size=1)
+        want = (num_tokens - 1) // block * block  # vLLM computes the prompt's last block
+
+        def request(rid: str) -> Any:
+            return SimpleNamespace(
+                request_id=rid, prompt_token_ids=ids, num_tokens=num_tokens, cache_salt=None,
+                lora_request=None, mm_features=[], prompt_embeds=None,
+                all_token_ids=ids,
+            )  # fmt: skip
+
+        def ask(req: Any) -> None:
+            assert scheduler is not None
+            got = scheduler.get_num_new_matched_tokens(req, 0)
+            if got != want:
+                raise RuntimeError(f"the scheduler's lookup found {got} of {want} tokens")
+
+        def new_request_rows(prefix: str) -> dict[str, float]:
+            samples = []
+            for i in range(WARMUP + repeats):
+                req = request(f"{prefix}-{i}")  # request ids are never reused
+                start = time.perf_counter()
+                ask(req)
+                samples.append(time.perf_counter() - start)
+                assert scheduler is not None
+                scheduler.request_finished(req, [])  # it ends, untimed: its lease goes
+                worker.get_finished({req.request_id})
+            return _percentiles(samples[WARMUP:])
+
+        rows: dict[str, dict[str, float]] = {}
+        rows["in process, new request"] = new_request_rows("direct")
+        waiting = request("waiting")
+        rows["in process, waiting request"] = _time(lambda: ask(waiting), repeats)
+        # the ranks in other processes: a client that goes through the sockets only
+        direct = scheduler.lookups.client
+        if direct is not None:
+            direct.close()
+        scheduler.lookups.client = LookupClient(scheduler.engine_key, 1, in_process=False)
+        rows["socket, new request"] = new_request_rows("socket")
+        waiting = request("waiting-socket")
+        rows["socket, waiting request"] = _time(lambda: ask(waiting), repeats)
+        return rows
+    finally:
+        if scheduler is not None:
+            scheduler.close()
+        worker.shutdown()
+        reset_process_cpu_tiers()
+
+
 def _line(label: str, fig: dict[str, float], target: float | None) -> str:
-    text = f"  {label:<28} p50 {fig['p50_ms']:7.3f} ms   p99 {fig['p99_ms']:7.3f} ms"
+    text = f"  {label:<36} p50 {fig['p50_ms']:7.3f} ms   p99 {fig['p99_ms']:7.3f} ms"
     if target is not None:
         verdict = "met" if fig["p99_ms"] < target else "missed"
         text += f"   target p99 < {target:g} ms: {verdict}"
@@ -169,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("numpy", "torch", "list"):
         print(_line(f"hashing alone ({name} ids)", fig["hashing"][name], None))
     print(_line("list -> uint32 (floor)", fig["list_conversion"], None))
+    rows = measure_scheduler_lookup(args.tokens, args.repeats)
+    if rows is None:
+        print(f"  {'scheduler (vLLM path)':<36} skipped (lmcache-vllm not installed)")
+        return 0
+    for name, row in rows.items():
+        print(_line(f"scheduler, {name}", row, target))
     return 0
 
 
