@@ -85,13 +85,16 @@ class DeviceChecks:
     def download(self, dev: torch.Tensor) -> torch.Tensor:
         """A page-locked host copy of small ``dev``, enqueued on the current stream.
 
-        Read it after the stream's work completes. The caller keeps it alive until then.
+        Read it after the stream's work completes. The copy is torch's own: the pinned allocator
+        the buffer comes from then knows a copy is pending, and does not hand the buffer out
+        again before it completes, even if the caller drops it early (a raw runtime copy would
+        not tell it).
         """
         if self.device.type == "cpu":
             return dev.clone()
         nbytes = dev.numel() * dev.element_size()
         host = self.backend.pinned_empty(nbytes).view(dev.dtype).view(dev.shape)
-        self.backend.copy(host, dev, self.backend.current_stream(self.device))
+        host.copy_(dev, non_blocking=True)
         return host
 
     def new_sums(self, count: int) -> torch.Tensor:
