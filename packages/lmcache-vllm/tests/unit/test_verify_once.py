@@ -72,6 +72,7 @@ def test_a_hit_verified_at_lookup_is_not_summed_again(kind, device, how, sums_co
     sums_computed.clear()  # the store's
     _, dst = _checked_conn(kind, device, 43)
     _streams(dst, device)
+    sums_computed.clear()  # a CUDA connector's warm-up
     stream = dst.backend.new_stream(dst.device)
     staged = dst.prefetch(chunks, stream)
     assert staged is not None
@@ -151,11 +152,13 @@ def test_checksums_off_store_no_sums_and_load_by_the_kernel(
     real = gpu_ops.scatter_kv
     monkeypatch.setattr(gpu_ops, "scatter_kv", lambda *a, **k: scatters.append(1) or real(*a, **k))
     src = _conn_off(kind, device, 61)
+    sums_computed.clear()  # a CUDA connector's warm-up
     chunks = chunk_buffers(src, RANGES, "scattered")
     assert src.from_gpu(chunks, TransferSpec(_slots(N, 62, "cpu"))) is None
     src.synchronize()
     assert sums_computed == [] and all(c.checksum is None for c in chunks)
     dst = _conn_off(kind, device, 63)
+    scatters.clear()  # a CUDA connector's warm-up
     spec = TransferSpec(_slots(N, 64, "cpu"), skip_tokens=skip)
     assert dst.to_gpu(chunks, spec) is not False
     dst.synchronize()
@@ -192,6 +195,7 @@ def test_a_prefetch_in_pieces_is_checked_piece_by_piece(device, monkeypatch, sum
     sums_computed.clear()
     _, dst = _checked_conn("lbnhc", device, 83)
     _streams(dst, device)
+    sums_computed.clear()  # a CUDA connector's warm-up
     stream = dst.backend.new_stream(dst.device)
     staged = dst.prefetch(chunks, stream)
     assert staged is not None and [stop for stop, _ in staged.chunk_events] == [1, 2, 3, 4]

@@ -162,10 +162,11 @@ class FusedStore(FusedViews):
     def _kernel_store_plan(
         self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
     ) -> StagingPlan:
-        """A kernel store's plan: one piece when deferred (see :meth:`_store_pieces`), else
-        pieces of whole chunks (:meth:`_kernel_plan`)."""
-        if self._store_pieces(transfer) == 0:
-            return self._plan(layers, chunks, 0, 0)
+        """A kernel store's plan: pieces of whole chunks (:meth:`_kernel_plan`), deferred or not.
+
+        The gather runs on a few SMs (``gather_sms``), so one piece would add its whole gather
+        to the copy; in pieces, each piece's gather overlaps the previous piece's DMAs.
+        """
         return self._kernel_plan(layers, chunks, 0)
 
     def _gather_pieces(
