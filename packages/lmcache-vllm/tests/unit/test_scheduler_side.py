@@ -277,7 +277,10 @@ def test_lookups_that_may_read_lower_tiers_never_block_the_scheduler():
 
 def test_cuda_lookups_run_off_the_scheduler_thread_when_hits_are_verified():
     """On CUDA the worker checks a hit on the GPU before answering (it waits for the hit's
-    copy): such lookups run in the background and vLLM asks again, as for a disk tier."""
+    copy): such lookups run in the background and vLLM asks again, as for a disk tier. An
+    answer that comes within the quick wait (a miss, mostly) is returned at once."""
+    import threading
+
     impl, cfg = make_impl(hit=0)
     assert impl.scheduler.async_lookups is False  # no device_config: not CUDA
     for device, checksum, expected in [
@@ -292,9 +295,15 @@ def test_cuda_lookups_run_off_the_scheduler_thread_when_hits_are_verified():
             extra["lmcache.checksum"] = checksum
         again = adapter.LMCacheConnectorV1Impl(cfg, SimpleNamespace(name="SCHEDULER"), None)
         assert again.scheduler.async_lookups is expected, (device, checksum)
-        again.scheduler.lookups.client = FakeClient(CHUNK * 2)
+        client = again.scheduler.lookups.client = FakeClient(CHUNK * 2)
+        gate = threading.Event()  # a hit's check on the GPU takes a while
+        answer = client.lookup
+        client.lookup = lambda query, _a=answer, _g=gate: (_g.wait(10), _a(query))[1]
         req = request(f"r-{device}-{checksum}", list(range(3 * CHUNK)))
+        if not expected:
+            gate.set()
         first = again.get_num_new_matched_tokens(req, 0)
+        gate.set()
         if expected:  # asked in the background; the answer comes at a later step
             assert first is None
             deadline = time.monotonic() + 5
@@ -305,6 +314,10 @@ def test_cuda_lookups_run_off_the_scheduler_thread_when_hits_are_verified():
             assert got == 2 * CHUNK
         else:
             assert first == 2 * CHUNK
+        quick = request(f"q-{device}-{checksum}", list(range(3 * CHUNK)))
+        with pytest.MonkeyPatch.context() as mp:  # a loaded test machine: a generous wait
+            mp.setattr("lmcache_vllm.scheduler.prefix_lookups.QUICK_ANSWER_S", 10.0)
+            assert again.get_num_new_matched_tokens(quick, 0) == 2 * CHUNK  # answered at once
 
 
 def test_no_lookup_when_vllm_holds_every_token_lmcache_could_offer():

@@ -5,7 +5,8 @@ A lookup runs on the scheduler's thread when only host memory can answer it.
 With a disk or remote tier it may take longer than a scheduler step, so it runs on a thread
 pool of its own under a deadline. So does a lookup on CUDA with checksums, which waits for the
 GPU's check of the hit.
-vLLM then hears "ask again later" (``None``) until the answer is in.
+vLLM then hears "ask again later" (``None``) until the answer is in, unless it comes within
+:data:`QUICK_ANSWER_S` (a miss, mostly): a request that nothing can load is scheduled at once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "ASYNC_LOOKUP_TIMEOUT_S",
     "LATE_GRACE_S",
     "LOOKUP_THREADS",
+    "QUICK_ANSWER_S",
     "PrefixLookups",
     "runs_off_thread",
 ]
@@ -34,6 +36,11 @@ without progress."""
 
 LOOKUP_THREADS = 4
 """Asynchronous lookups that may run at once (each on its own thread)."""
+
+QUICK_ANSWER_S = 0.001
+"""How long the scheduler waits for an asynchronous lookup before answering "ask again later".
+A miss answers within it (a host-memory lookup takes well under a millisecond), so a new prompt
+is not held back a step; a hit checked on the GPU takes longer (its copy to the device)."""
 
 LATE_GRACE_S = 1.0
 """An asynchronous lookup still pending this long after its deadline (it waited for a thread)
@@ -90,7 +97,8 @@ class PrefixLookups:
         """Leading tokens every rank holds for request ``rid``; ``None`` while in flight.
 
         ``query`` builds the question only when one is sent.
-        An asynchronous lookup past its deadline is a miss (0), counted in :attr:`late`.
+        An asynchronous lookup answered within :data:`QUICK_ANSWER_S` is returned at once.
+        One past its deadline is a miss (0), counted in :attr:`late`.
         Its worker-side lease, if one comes, goes with the request's end (or its load-less
         first step).
         """
@@ -106,6 +114,10 @@ class PrefixLookups:
         if self.asynchronous:
             client = self.get_client()
             future = self._threads().submit(client.lookup, query())
+            try:  # a miss is answered now: the request is not held back a step
+                return future.result(timeout=QUICK_ANSWER_S)
+            except TimeoutError:
+                pass
             late = getattr(client, "timeout_s", ASYNC_LOOKUP_TIMEOUT_S) + LATE_GRACE_S
             self.pending[rid] = (future, time.monotonic() + late)
             return None
