@@ -147,8 +147,8 @@ class LMCacheConfig:
     """Store a checksum with every chunk in the CPU tier and verify it before use (a mismatch is
     a miss, or a load error for the chunks it hits). ``None`` (the default) means on for CPU
     engines and for GPU connectors that compute checksums on the device (vLLM's and SGLang's
-    CUDA connectors: the store sums each chunk in staging, the load verifies it before
-    scattering).
+    CUDA connectors: the store sums each chunk in staging, and each hit is verified once on the
+    GPU, in the device copy that is then scattered; ``false`` turns both off).
     It means off for other GPU connectors, where hashing on the host (~9 GB/s a thread) would
     cost more than the PCIe copy it guards. :meth:`checksum_for` resolves it. The disk and
     remote tiers always checksum their chunks, whatever this says."""
