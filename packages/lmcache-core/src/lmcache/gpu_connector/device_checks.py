@@ -153,6 +153,19 @@ class DeviceChecks:
         current stream. The engine adds the calls' sums up and compares them once every layer
         has moved."""
         sums = self.new_sums(len(index.positions))
+        self.scatter(index, staging, layers, staging_full, sums)
+        return LoadChecks(index.positions, sums=self.download(sums), layers=layers)
+
+    def scatter(
+        self,
+        index: StagedChunks,
+        staging: torch.Tensor,
+        layers: range,
+        staging_full: bool = False,
+        sums: torch.Tensor | None = None,
+    ) -> None:
+        """Scatter ``layers`` of the staged chunks, unchecked (one launch), on the current stream;
+        ``sums`` receives the sums of the bytes moved."""
         gpu_ops.scatter_kv(
             self.paged,
             index.slots,
@@ -162,7 +175,6 @@ class DeviceChecks:
             layers=layers,
             staging_full=staging_full,
         )
-        return LoadChecks(index.positions, sums=self.download(sums), layers=layers)
 
     def close(self) -> None:
         """Wait for the uploads still queued: none may read a freed buffer."""

@@ -193,14 +193,7 @@ class ChunkChecksums:
     ) -> None:
         """Scatter ``layers`` of every staged chunk, unchecked (one launch); on the current
         stream. For chunks with no sum, or verified already in these very bytes."""
-        gpu_ops.scatter_kv(
-            self.paged,
-            index.slots,
-            index.offsets,
-            staging,
-            layers=layers,
-            staging_full=staging_full,
-        )
+        self.checks.scatter(index, staging, layers, staging_full)
 
     def scatter_pieces(
         self,
