@@ -128,9 +128,16 @@ def test_an_abort_at_any_point_leaves_no_lease(disk_rig: Rig) -> None:
     _no_request_holds_anything(rig)
     assert rig.worker._leases.late == 1
 
-    # 2. Aborted once answered (vLLM had not taken the answer yet).
+    # 2. Aborted once answered (vLLM had not taken the answer yet): an answer that lands after
+    # the scheduler's quick wait.
+    for event in (gated.gate, gated.entered, gated.returned):
+        event.clear()
+    gated.prompts = [prompts[1]]
     req = _request("answered", prompts[1])
     assert rig.scheduler.get_num_new_matched_tokens(req, 0) is None
+    assert gated.entered.wait(10)
+    gated.gate.set()
+    assert gated.returned.wait(10)
     assert _wait(lambda: rig.worker.held_leases == 1)
     _abort(rig, req)
     _no_request_holds_anything(rig)
