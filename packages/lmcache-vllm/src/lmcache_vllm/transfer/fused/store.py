@@ -33,9 +33,10 @@ class FusedStore(FusedViews):
     """The store side of :class:`~lmcache_vllm.transfer.fused.transfer.FusedTransfer`."""
 
     def _store_pieces(self, transfer: TransferSpec) -> int:
-        """``piece_bytes`` of a store's plan: a deferred store (nobody waits for it) in one
-        piece, one gather and its DMAs with no side-stream hops (fewer launches on the save
-        thread); else the default pipelining (:meth:`_piece_bytes`)."""
+        """``piece_bytes`` of a strided store's plan: a deferred store (nobody waits for it) in
+        one piece, one gather and its DMAs with no side-stream hops (fewer launches on the save
+        thread); else the default pipelining (:meth:`_piece_bytes`). A kernel store always goes
+        in pieces (:meth:`_store_by_kernel`)."""
         deferred = transfer.deferred and transfer.stream is not None
         return 0 if deferred and self.backend.has_streams else -1
 
@@ -54,7 +55,7 @@ class FusedStore(FusedViews):
             return None
         layers = range(self.num_layers)
         if self._sums is not None and self._kernel_store(transfer):
-            plan = self._kernel_store_plan(layers, chunks, transfer)
+            plan = self._kernel_plan(layers, chunks, 0)
             with self._stream_ctx(transfer):
                 index = self._sums.load_index(plan, chunks, transfer)
                 uploaded = self.backend.event_after(self.backend.current_stream(self.device))
@@ -159,16 +160,6 @@ class FusedStore(FusedViews):
             and self.kv_width * self._caches[0].element_size() % 8 == 0
         )
 
-    def _kernel_store_plan(
-        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> StagingPlan:
-        """A kernel store's plan: pieces of whole chunks (:meth:`_kernel_plan`), deferred or not.
-
-        The gather runs on a few SMs (``gather_sms``), so one piece would add its whole gather
-        to the copy; in pieces, each piece's gather overlaps the previous piece's DMAs.
-        """
-        return self._kernel_plan(layers, chunks, 0)
-
     def _gather_pieces(
         self,
         plan: StagingPlan,
@@ -218,7 +209,9 @@ class FusedStore(FusedViews):
     ) -> StoreChecksums | None:
         """``layers`` of every chunk through the ``gather_kv`` kernel into staging, which sums
         each chunk's bytes of them in the same pass (with :attr:`checksums`), then the DMAs to
-        the host. The gather takes at most ``gather_sms`` SMs from the model.
+        the host. The gather takes at most ``gather_sms`` SMs from the model, so the store
+        goes in pieces of whole chunks (:meth:`_kernel_plan`), deferred or not: each piece's
+        gather overlaps the previous piece's DMAs instead of adding to the copy.
 
         All layers: one launch (in pieces when nobody defers it), each chunk's checksum. Some
         layers (a layerwise store): the sums of those layers, which the engine adds up. The
@@ -233,7 +226,7 @@ class FusedStore(FusedViews):
         if prep is not None and prep.matches(layers, chunks, transfer):
             plan = prep.plan
         elif len(layers) == self.num_layers:
-            plan = self._kernel_store_plan(layers, chunks, transfer)
+            plan = self._kernel_plan(layers, chunks, 0)
         else:
             plan = self._plan(layers, chunks, 0, 0)
         if prep is not None and not prep.indexes(plan, transfer):
