@@ -8,6 +8,8 @@ every key with :func:`lmcache.keys.chunk_keys` and asks the tier one key at a ti
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,19 +49,32 @@ def _reference(engine: LMCacheEngine, tokens: list[int]) -> int:
     return min(found * CS, len(tokens))
 
 
-def test_lookup_matches_the_key_by_key_reference(engine: LMCacheEngine) -> None:
-    rng = random.Random(4)
+def _cases(
+    engine: LMCacheEngine, seed: int, stored_chunks: tuple[int, ...]
+) -> Iterator[tuple[int, int, list[int], int]]:
+    """``(stored, length, tokens, reference hit)``: ``stored`` chunks of a random prompt in the
+    engine (emptied first), then prefixes of it of several lengths."""
+    rng = random.Random(seed)
     prompt = [rng.randrange(50_000) for _ in range(MAX_TOKENS)]
-    for stored in (0, 1, 2, 3, 5, 8, 13, 21, 34):
+    for stored in stored_chunks:
         engine.clear()
         if stored:
             n = stored * CS
             engine.store(prompt[:n], None, TransferSpec(torch.arange(n)))
         for length in (1, CS, 3 * CS + 2, 20 * CS, MAX_TOKENS - 3):
             tokens = prompt[:length]
-            want = _reference(engine, tokens)
-            for source in (tokens, tuple(tokens), np.array(tokens), torch.tensor(tokens)):
-                assert engine.lookup(source) == want, (stored, length, type(source))  # type: ignore[arg-type]
+            yield stored, length, tokens, _reference(engine, tokens)
+
+
+def _sources(tokens: list[int]) -> tuple[Any, ...]:
+    """``tokens`` as every input type a lookup takes."""
+    return (tokens, tuple(tokens), np.array(tokens), torch.tensor(tokens))
+
+
+def test_lookup_matches_the_key_by_key_reference(engine: LMCacheEngine) -> None:
+    for stored, length, tokens, want in _cases(engine, 4, (0, 1, 2, 3, 5, 8, 13, 21, 34)):
+        for source in _sources(tokens):
+            assert engine.lookup(source) == want, (stored, length, type(source))
 
 
 def test_a_bad_token_past_the_hit_is_not_read_from_a_list(engine: LMCacheEngine) -> None:
@@ -79,23 +94,14 @@ def test_a_bad_token_past_the_hit_is_not_read_from_a_list(engine: LMCacheEngine)
 def test_lookup_and_lease_matches_the_key_by_key_reference(engine: LMCacheEngine) -> None:
     """The lease reads the CPU tier in doubling runs of keys too: it holds exactly the chunks
     of the reference's hit, each with the shape of its tokens, for every input type."""
-    rng = random.Random(5)
-    prompt = [rng.randrange(50_000) for _ in range(MAX_TOKENS)]
-    for stored in (0, 1, 2, 3, 5, 8, 13, 34):
-        engine.clear()
-        if stored:
-            n = stored * CS
-            engine.store(prompt[:n], None, TransferSpec(torch.arange(n)))
-        for length in (1, CS, 3 * CS + 2, 20 * CS, MAX_TOKENS - 3):
-            tokens = prompt[:length]
-            want = _reference(engine, tokens)
-            keys = chunk_keys(tokens, engine._fingerprint, CS, salt=engine.config.cache_salt + "\0")
-            for source in (tokens, tuple(tokens), np.array(tokens), torch.tensor(tokens)):
-                with engine.lookup_and_lease(source) as hit:  # type: ignore[arg-type]
-                    assert hit.num_tokens == want, (stored, length, type(source))
-                    assert hit.keys == keys[: -(-want // CS)]
-                    sizes = [t.shape[1] for t in hit.tensors()]
-                    assert sizes == [min(CS, want - i * CS) for i in range(len(hit))]
+    for stored, length, tokens, want in _cases(engine, 5, (0, 1, 2, 3, 5, 8, 13, 34)):
+        keys = chunk_keys(tokens, engine._fingerprint, CS, salt=engine.config.cache_salt + "\0")
+        for source in _sources(tokens):
+            with engine.lookup_and_lease(source) as hit:
+                assert hit.num_tokens == want, (stored, length, type(source))
+                assert hit.keys == keys[: -(-want // CS)]
+                sizes = [t.shape[1] for t in hit.tensors()]
+                assert sizes == [min(CS, want - i * CS) for i in range(len(hit))]
     held = [e.lease.ref_count for e in engine.tier._entries.values()]
     assert held and all(refs == 1 for refs in held)  # every lease went with its hit
 
