@@ -8,7 +8,8 @@ import torch
 
 from lmcache.gpu_connector import EngineInfo
 from lmcache_vllm.gpu_connector import VLLMPagedConnector
-from lmcache_vllm.transfer.fused.transfer import FusedTransfer
+from lmcache_vllm.transfer.fused.store import FusedStore
+from lmcache_vllm.transfer.fused.views import FusedViews
 from lmcache_vllm.transfer.token_transfer import TokenTransfer
 
 from . import test_gpu_connector_conformance as cpu_suite
@@ -131,13 +132,13 @@ def test_fused_pipelined_matches_per_layer_llama_like(slots_on, tokens, alloc, m
         c = VLLMPagedConnector(
             LMCacheConfig(chunk_size=CS), md, EngineInfo("vllm", "cuda", views, {"block_size": P})
         )
-        assert (c.transfer._fused is not None) == (alloc == "one-buffer")
-        assert (c.transfer._fused_layers is not None) == (alloc == "per-layer")
+        assert (c.transfer.views.fused is not None) == (alloc == "one-buffer")
+        assert (c.transfer.views.fused_layers is not None) == (alloc == "per-layer")
         if not fused:
             c.transfer = TokenTransfer(c.cache, c.backend, c.device)
         return c
 
-    monkeypatch.setattr(FusedTransfer, "pipeline_bytes", 1 << 20)
+    monkeypatch.setattr(FusedViews, "pipeline_bytes", 1 << 20)
     pages = torch.randperm(NB - 1)[: -(-tokens // P)] + 1
     slots = (pages[:, None] * P + torch.arange(P)).reshape(-1)[:tokens].to(slots_on)
     ranges = [(s, min(s + CS, tokens)) for s in range(0, tokens, CS)]
@@ -146,7 +147,7 @@ def test_fused_pipelined_matches_per_layer_llama_like(slots_on, tokens, alloc, m
     fast, ref = conn(src), conn(src, fused=False)
     leases = [pool.allocate(fast.chunk_shape(e - s), torch.bfloat16) for s, e in ranges]
     refs = [torch.empty(fast.chunk_shape(e - s), dtype=torch.bfloat16) for s, e in ranges]
-    assert fast.transfer._plan(range(L), [ChunkTransfer(s, e, x.tensor) for (s, e), x in zip(
+    assert fast.transfer.views.staging_plan(range(L), [ChunkTransfer(s, e, x.tensor) for (s, e), x in zip(
         ranges, leases, strict=True)], 0).pieces > 1  # fmt: skip
     chunks = [ChunkTransfer(s, e, x.tensor) for (s, e), x in zip(ranges, leases, strict=True)]
     fast.from_gpu(chunks, TransferSpec(slots))
@@ -210,10 +211,10 @@ def test_prefetched_chunks_load_like_host_chunks(alloc, monkeypatch):
     pre = src.prefetch(chunks, stream)
     assert isinstance(pre, Prefetched)
     copies = []
-    real_copy_runs = FusedTransfer._copy_runs
+    real_copy_runs = FusedViews.copy_runs
     monkeypatch.setattr(
-        FusedTransfer,
-        "_copy_runs",
+        FusedViews,
+        "copy_runs",
         lambda self, *a, **k: (copies.append(1), real_copy_runs(self, *a, **k)),
     )
     for skip in (0, 5, CS + 3):  # 5: inside chunk 0; CS + 3: chunk 0 dropped, suffix used
@@ -290,9 +291,9 @@ def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, path, mon
     from lmcache.gpu_connector import ChunkTransfer, TransferSpec
     from lmcache.memory.pinned_pool import HostMemoryPool
     from lmcache.metadata import LMCacheMetadata
-    from lmcache_vllm.transfer.fused.verified_scatter import ChunkChecksums
+    from lmcache_vllm.transfer.fused.kernels import ChunkKernels
 
-    monkeypatch.setattr(FusedTransfer, "kernel_gather", path == "kernel")
+    monkeypatch.setattr(FusedStore, "kernel_gather", path == "kernel")
     L, H, D, P, CS, NB, N = 4, 8, 128, 16, 256, 128, 900
     md = LMCacheMetadata(
         model_name="m", world_size=1, worker_id=0, local_worker_id=0, local_world_size=1,
@@ -335,13 +336,13 @@ def test_prepared_store_copies_what_the_pages_hold_at_copy_time(alloc, path, mon
     ready = torch.cuda.Event()
     ready.record()
     built = []  # index builds: the kernel's (raw slots) and the strided path's
-    real_k, real_s = ChunkChecksums.load_index, FusedTransfer._fused_indices
+    real_k, real_s = ChunkKernels.load_index, FusedViews.slot_indices
     monkeypatch.setattr(
-        ChunkChecksums, "load_index", lambda self, *a: (built.append("kernel"), real_k(self, *a))[1]
+        ChunkKernels, "load_index", lambda self, *a: (built.append("kernel"), real_k(self, *a))[1]
     )
     monkeypatch.setattr(
-        FusedTransfer,
-        "_fused_indices",
+        FusedViews,
+        "slot_indices",
         lambda self, *a: (built.append("strided"), real_s(self, *a))[1],
     )
     checked = []

@@ -113,10 +113,12 @@ def test_fused_matches_per_layer(kind, ranges, layout, device, slots_on, pieces)
     src = _caches(kind, md, device, 1)
     fast = _conn(kind, md, src, fused=True)
     if pieces == "per-layer":  # pipelined: a side-stream host copy per chunk layer (CUDA)
-        fast.transfer.pipeline_bytes = 1
+        fast.transfer.views.pipeline_bytes = 1
     ref = _conn(kind, md, src, fused=False)
-    assert (fast.transfer._fused is None) == (kind == "separate")  # separate: one view per layer
-    assert (fast.transfer._fused_layers is not None) == (kind == "separate")
+    assert (fast.transfer.views.fused is None) == (
+        kind == "separate"
+    )  # separate: one view per layer
+    assert (fast.transfer.views.fused_layers is not None) == (kind == "separate")
     slots = _slots(n, 2, device if slots_on == "device" else "cpu")
     with _buffers(fast, rng, layout) as a, _buffers(fast, rng, layout) as b:
         fast.from_gpu([ChunkTransfer(s, e, t) for (s, e), t in zip(rng, a, strict=True)],
@@ -126,7 +128,7 @@ def test_fused_matches_per_layer(kind, ranges, layout, device, slots_on, pieces)
         for x, y in zip(a, b, strict=True):
             assert _eq(x, y)
         if layout == "adjacent" and ranges == "contiguous":
-            plan = fast.transfer._plan(range(LAYERS), [ChunkTransfer(s, e, t) for (s, e), t in zip(
+            plan = fast.transfer.views.staging_plan(range(LAYERS), [ChunkTransfer(s, e, t) for (s, e), t in zip(
                 rng, a, strict=True)], 0, 0)  # fmt: skip
             assert len(plan.ops) == 2  # three full chunks in one op, then the tail
             if fast.chunk_nbytes(CHUNK) % ALIGNMENT == 0:  # no padding: back to back
@@ -136,7 +138,7 @@ def test_fused_matches_per_layer(kind, ranges, layout, device, slots_on, pieces)
             dst_fast = _caches(kind, md, device, 3)
             dst_ref = _caches(kind, md, device, 3)
             cf, cr = _conn(kind, md, dst_fast, True), _conn(kind, md, dst_ref, False)
-            cf.transfer.pipeline_bytes = fast.transfer.pipeline_bytes
+            cf.transfer.views.pipeline_bytes = fast.transfer.views.pipeline_bytes
             lslots = _slots(n, 4, device if slots_on == "device" else "cpu")
             lslots[:skip] = -1  # held by the engine: never read
             chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, a, strict=True)]
@@ -203,7 +205,7 @@ def test_load_without_room_for_its_staging_goes_layer_by_layer(kind, device, cap
                 raise torch.OutOfMemoryError("injected: no room")
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-        got.transfer._new_staging = tight
+        got.transfer.views.new_staging = tight
         lslots = _slots(29, 8, device)
         want.to_gpu(chunks, TransferSpec(lslots, skip_tokens=5))
         with caplog.at_level("WARNING"):
@@ -224,7 +226,7 @@ def test_aliased_layers_use_the_per_layer_path():
     caches[2] = caches[1]  # two layers on the same memory (a shared-KV model)
     conn = _conn("lbnhc", md, caches, True)
     assert (
-        conn.transfer._fused is None and conn.transfer._fused_layers is not None
+        conn.transfer.views.fused is None and conn.transfer.views.fused_layers is not None
     )  # one view per layer
     rng = RANGE_SETS["contiguous"]
     slots = _slots(29, 12, "cpu")
@@ -280,16 +282,16 @@ def test_plan_pieces_split_ops_and_runs():
     cb = conn.chunk_nbytes(CHUNK)
     with _buffers(conn, rng, "adjacent") as bufs:
         chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, bufs, strict=True)]
-        one = conn.transfer._plan(range(LAYERS), chunks, 0, 0)
+        one = conn.transfer.views.staging_plan(range(LAYERS), chunks, 0, 0)
         assert one.pieces == 1 and len(one.runs) == 1 and len(one.ops) == 2
-        per = conn.transfer._plan(range(LAYERS), chunks, 0, cb)
+        per = conn.transfer.views.staging_plan(range(LAYERS), chunks, 0, cb)
         assert per.pieces == 4 and len(per.runs) == 4 and len(per.ops) == 4
         assert [r.piece for r in per.runs] == [0, 1, 2, 3] == [o.piece for o in per.ops]
-        two = conn.transfer._plan(range(LAYERS), chunks, 0, 2 * cb)
+        two = conn.transfer.views.staging_plan(range(LAYERS), chunks, 0, 2 * cb)
         assert two.pieces == 2 and [o.piece for o in two.ops] == [0, 1, 1]
         assert [(o.g, o.n) for o in two.ops] == [(2, 8), (1, 8), (1, 5)]
         # a chunk bigger than a piece is cut by layers: one op and one host copy per layer
-        cut = conn.transfer._plan(range(LAYERS), chunks[:1], 0, cb // LAYERS)
+        cut = conn.transfer.views.staging_plan(range(LAYERS), chunks[:1], 0, cb // LAYERS)
         assert cut.pieces == LAYERS
         assert [(o.l0, o.l1) for o in cut.ops] == [(i, i + 1) for i in range(LAYERS)]
         assert [r.nbytes for r in cut.runs] == [cb // LAYERS] * LAYERS
@@ -312,12 +314,12 @@ def test_pieces_match_per_layer_path(kind, piece):
         ca = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, a, strict=True)]
         cb_ = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, b, strict=True)]
         _conn(kind, md, src, False).from_gpu(ca, TransferSpec(slots))
-        plan = conn.transfer._plan(range(LAYERS), cb_, 0, pb)
+        plan = conn.transfer.views.staging_plan(range(LAYERS), cb_, 0, pb)
         staging = torch.empty(plan.total * plan.row_bytes, dtype=torch.uint8)
-        idx, _ = conn.transfer._fused_indices(plan, TransferSpec(slots))
+        idx, _ = conn.transfer.views.slot_indices(plan, TransferSpec(slots))
         for p in range(plan.pieces):
-            conn.transfer._gather(plan, staging, range(LAYERS), idx, p)
-            conn.transfer._copy_runs(plan, staging, to_host=True, piece=p)
+            conn.transfer.views.gather(plan, staging, range(LAYERS), idx, p)
+            conn.transfer.views.copy_runs(plan, staging, to_host=True, piece=p)
         for x, y in zip(a, b, strict=True):
             assert _eq(x, y)
         dst1, dst2 = _caches(kind, md, "cpu", 15), _caches(kind, md, "cpu", 15)
@@ -325,12 +327,12 @@ def test_pieces_match_per_layer_path(kind, piece):
         lslots = _slots(40, 16, "cpu")
         spec = TransferSpec(lslots, skip_tokens=3)
         c1.to_gpu(ca, spec)
-        plan = c2.transfer._plan(range(LAYERS), ca, 3, pb)
+        plan = c2.transfer.views.staging_plan(range(LAYERS), ca, 3, pb)
         staging = torch.empty(plan.total * plan.row_bytes, dtype=torch.uint8)
-        idx, _ = c2.transfer._fused_indices(plan, spec)
+        idx, _ = c2.transfer.views.slot_indices(plan, spec)
         for p in range(plan.pieces):
-            c2.transfer._copy_runs(plan, staging, to_host=False, piece=p)
-            c2.transfer._scatter(plan, staging, range(LAYERS), idx, p)
+            c2.transfer.views.copy_runs(plan, staging, to_host=False, piece=p)
+            c2.transfer.views.scatter(plan, staging, range(LAYERS), idx, p)
         for x, y in zip(dst1, dst2, strict=True):
             assert _eq(x, y)
 
@@ -347,13 +349,13 @@ def test_chunks_at_a_constant_step_merge_into_one_strided_run():
         for i, t in enumerate(bufs):
             t.copy_(torch.randn(t.shape).to(t.dtype) + i)
         chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, bufs, strict=True)]
-        plan = conn.transfer._plan(range(LAYERS), chunks, 0, 0)
+        plan = conn.transfer.views.staging_plan(range(LAYERS), chunks, 0, 0)
         steps = {bufs[i + 1].data_ptr() - bufs[i].data_ptr() for i in range(2)}
         assert len(steps) == 1 and steps.pop() > cb  # the pool left equal gaps
         assert [(r.rows, r.nbytes) for r in plan.runs] == [(3, cb), (1, conn.chunk_nbytes(5))]
         assert plan.runs[0].dev_pitch == cb
         staging = torch.zeros(plan.total * plan.row_bytes, dtype=torch.uint8)
-        conn.transfer._copy_runs(plan, staging, to_host=False)
+        conn.transfer.views.copy_runs(plan, staging, to_host=False)
         pos = 0
         for (s, e), t in zip(rng, bufs, strict=True):
             nbytes = (e - s) * plan.row_bytes
@@ -374,7 +376,7 @@ def _recorded_backend(conn):
     from lmcache.testing.recording_backend import RecordingBackend
 
     rec = RecordingBackend("cuda")
-    conn.backend = conn.transfer.backend = rec
+    conn.backend = conn.transfer.views.backend = rec
     return rec
 
 
@@ -389,15 +391,15 @@ def test_a_strided_run_is_one_2d_copy_with_both_pitches():
         for i, t in enumerate(bufs):
             t.copy_(torch.randn(t.shape).to(t.dtype) + i)
         chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, bufs, strict=True)]
-        plan = conn.transfer._plan(range(LAYERS), chunks, 0, 0)
+        plan = conn.transfer.views.staging_plan(range(LAYERS), chunks, 0, 0)
         (run,) = plan.runs
         staging = torch.zeros(plan.total * plan.row_bytes, dtype=torch.uint8)
         rec = _recorded_backend(conn)
-        conn.transfer._copy_runs(plan, staging, to_host=False)
+        conn.transfer.views.copy_runs(plan, staging, to_host=False)
         expect = [t.clone() for t in bufs]
         for t in bufs:
             t.zero_()
-        conn.transfer._copy_runs(plan, staging, to_host=True)
+        conn.transfer.views.copy_runs(plan, staging, to_host=True)
         assert all(torch.equal(t, e) for t, e in zip(bufs, expect, strict=True))
         width, pitch_h, pitch_d = run.nbytes, run.host_pitch, run.dev_pitch
         stream = rec.current_stream(conn.device)
@@ -415,7 +417,7 @@ def test_plain_runs_are_one_batched_copy():
     rng = [(0, 8), (8, 16), (16, 20)]
     with _buffers(conn, rng, "adjacent") as bufs:
         chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, bufs, strict=True)]
-        plan = conn.transfer._plan(range(LAYERS), chunks, 0, 0)
+        plan = conn.transfer.views.staging_plan(range(LAYERS), chunks, 0, 0)
         (run,) = plan.runs  # back to back: one run of all three chunks
         assert run.rows == 1 and run.count == 3 and run.contiguous
         assert run.nbytes == sum(t.numel() * t.element_size() for t in bufs)
@@ -424,10 +426,10 @@ def test_plain_runs_are_one_batched_copy():
         for i, t in enumerate(bufs):
             t.copy_(torch.randn(t.shape).to(t.dtype) + i)
         chunks = [ChunkTransfer(s, e, t) for (s, e), t in zip(rng, bufs, strict=True)]
-        plan = conn.transfer._plan(range(LAYERS), chunks, 0, 0)
+        plan = conn.transfer.views.staging_plan(range(LAYERS), chunks, 0, 0)
         staging = torch.zeros(plan.total * plan.row_bytes, dtype=torch.uint8)
         rec = _recorded_backend(conn)
-        conn.transfer._copy_runs(plan, staging, to_host=False)
+        conn.transfer.views.copy_runs(plan, staging, to_host=False)
         copies = [c for c in rec.calls if c.name.startswith("copy")]
         assert [(r.rows, r.count) for r in plan.runs] == [(1, 1)] * 3
         sizes = tuple(conn.chunk_nbytes(e - s) for s, e in rng)

@@ -18,8 +18,10 @@ import torch
 
 from lmcache.gpu_connector import ChunkTransfer, TransferSpec
 from lmcache.gpu_ops import chunk_checksum
+from lmcache_vllm.transfer.fused.kernels import ChunkKernels
+from lmcache_vllm.transfer.fused.store import FusedStore
 from lmcache_vllm.transfer.fused.transfer import FusedTransfer
-from lmcache_vllm.transfer.fused.verified_scatter import ChunkChecksums
+from lmcache_vllm.transfer.fused.views import FusedViews
 from lmcache_vllm.transfer.token_transfer import TokenTransfer
 
 from .test_gpu_connector_fastpath import BLOCK, DEVICES, NUM_BLOCKS, _caches, _conn, _md
@@ -32,8 +34,10 @@ def _checked_conn(kind: str, device: str, seed: int):
     conn = _conn(kind, md, _caches(kind, md, device, seed), fused=True)
     fused = conn.transfer
     assert isinstance(fused, FusedTransfer)
-    if fused._sums is None:  # CPU: attach the component the CUDA connector builds itself
-        fused._sums = ChunkChecksums(conn.cache, conn.backend)
+    if fused.kernels is None:  # CPU: give it the kernels the CUDA connector builds itself
+        kernels = ChunkKernels(conn.cache, conn.backend)
+        on = fused.store.checksums
+        conn.transfer = FusedTransfer(conn.cache, conn.backend, on, kernels=kernels)
     return md, conn
 
 
@@ -76,9 +80,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_store_sums_and_verified_load(kind, device, skip, store, monkeypatch) -> None:
     """Stores through the gather kernel (one launch, sums in the same pass; on the CPU its
     reference) or the strided torch gather plus a sum pass give the same bytes and sums."""
-    monkeypatch.setattr(FusedTransfer, "kernel_gather", store == "kernel")
+    monkeypatch.setattr(FusedStore, "kernel_gather", store == "kernel")
     if store == "kernel" and device == "cpu":
-        monkeypatch.setattr(FusedTransfer, "_kernel_store", lambda self, transfer: True)
+        monkeypatch.setattr(FusedStore, "_by_kernel", lambda self, transfer: True)
     md, src = _checked_conn(kind, device, 1)
     n = RANGES[-1][1]
     slots = _slots(n, 2, "cpu")
@@ -135,14 +139,12 @@ def test_verified_load_of_chunks_with_a_gap(device: str, skip: int) -> None:
 def _on_stand_in_streams(conn):
     """Give ``conn``'s fused path a recording stand-in of a CUDA backend (streams and events;
     copies run at once on the CPU tensors) and the checksum component such a device gets."""
-    from lmcache.devices import UploadRing
     from lmcache.testing.recording_backend import RecordingBackend
 
     rec = RecordingBackend("cuda")
-    fused = conn.transfer
-    conn.backend = fused.backend = fused._indices.backend = rec
-    fused._indices.uploads = UploadRing(rec, conn.device)
-    fused._sums = ChunkChecksums(conn.cache, rec)
+    conn.backend = rec
+    on = conn.transfer.store.checksums
+    conn.transfer = FusedTransfer(conn.cache, rec, on, kernels=ChunkKernels(conn.cache, rec))
     return rec
 
 
@@ -155,24 +157,24 @@ def test_kernel_pieces_move_what_one_piece_moves(
     """A kernel store and a verified load cut into pieces of whole chunks (one piece's DMAs
     overlapping the next piece's kernels) store the same bytes and sums, and load the same
     bytes and verdicts, as in one piece. On the CPU through a stand-in backend with streams."""
-    monkeypatch.setattr(FusedTransfer, "_kernel_store", lambda self, transfer: True)
-    monkeypatch.setattr(FusedTransfer, "min_piece_bytes", 1)
+    monkeypatch.setattr(FusedStore, "_by_kernel", lambda self, transfer: True)
+    monkeypatch.setattr(FusedViews, "min_piece_bytes", 1)
     calls: list[str] = []
-    for name in ("_gather_pieces",):
-        real = getattr(FusedTransfer, name)
+    for name in ("_gather_and_copy_pieces",):
+        real = getattr(FusedStore, name)
         monkeypatch.setattr(
-            FusedTransfer, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k)
+            FusedStore, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k)
         )
-    real_pieces = ChunkChecksums.verified_scatter_pieces
+    real_pieces = ChunkKernels.verified_scatter_pieces
     monkeypatch.setattr(
-        ChunkChecksums,
+        ChunkKernels,
         "verified_scatter_pieces",
         lambda *a, **k: calls.append("verified_scatter_pieces") or real_pieces(*a, **k),
     )
     n = RANGES[-1][1]
     got = []
     for pieces in (1, 4):
-        monkeypatch.setattr(FusedTransfer, "kernel_pieces", pieces)
+        monkeypatch.setattr(FusedViews, "kernel_pieces", pieces)
         _, src = _checked_conn(kind, device, 31)
         if device == "cpu":
             _on_stand_in_streams(src)
@@ -194,7 +196,9 @@ def test_kernel_pieces_move_what_one_piece_moves(
                 [_bits(t) for t in dst.cache.caches],
             )
         )
-        assert calls == ([] if pieces == 1 else ["_gather_pieces", "verified_scatter_pieces"])
+        assert calls == (
+            [] if pieces == 1 else ["_gather_and_copy_pieces", "verified_scatter_pieces"]
+        )
         calls.clear()
     (s1, b1, c1, ok1, p1), (s4, b4, c4, ok4, p4) = got
     assert s1 == s4 and c1 == c4 and ok1 == ok4 == [i != 2 for i in c1]
@@ -206,7 +210,7 @@ def test_kernel_pieces_move_what_one_piece_moves(
 def test_layerwise_store_sums_add_up(kind: str, device: str, monkeypatch) -> None:
     """A store layer by layer through the gather kernel returns each layer's sums: over all
     layers they add up to each chunk's checksum, and the bytes are those of an all-layer store."""
-    monkeypatch.setattr(FusedTransfer, "_kernel_store", lambda self, transfer: True)
+    monkeypatch.setattr(FusedStore, "_by_kernel", lambda self, transfer: True)
     n = RANGES[-1][1]
     slots = _slots(n, 40, "cpu")
     md, conn = _checked_conn(kind, device, 41)
@@ -312,7 +316,7 @@ def test_verify_chunks_before_a_load(device: str, scratch: int, damage: str) -> 
     chunks = _stored(src, chunks, _slots(24, 14, "cpu"))
     chunks.append(dataclasses.replace(chunks[0], start=24, end=32, checksum=None))  # no sum: ok
     fused = src.transfer
-    fused._sums.scratch_bytes = scratch
+    fused.kernels.scratch_bytes = scratch
     stream = src.backend.new_stream(src.device) if device == "cuda" else None
     assert fused.verify_chunks(chunks[:3], stream, None) == [True, True, True]
     if damage == "flipped_bit":
@@ -330,7 +334,7 @@ def test_verify_chunks_before_a_load(device: str, scratch: int, damage: str) -> 
 def test_a_slot_outside_the_cache_is_refused(device: str, monkeypatch) -> None:
     """The kernels skip slots outside the cache; the index is checked on the host first."""
     if device == "cpu":
-        monkeypatch.setattr(FusedTransfer, "_kernel_store", lambda self, transfer: True)
+        monkeypatch.setattr(FusedStore, "_by_kernel", lambda self, transfer: True)
     _, conn = _checked_conn("lbnhc", device, 15)
     chunks = chunk_buffers(conn, [(0, 8)], "scattered")
     slots = _slots(8, 16, "cpu")
@@ -351,8 +355,8 @@ def test_a_prepared_kernel_store_matches_an_unprepared_one(device: str, monkeypa
     """The kernel store planned ahead (index uploaded before the KV exists) copies the same
     bytes and sums as one planned at the copy."""
     if device == "cpu":
-        monkeypatch.setattr(FusedTransfer, "_kernel_store", lambda self, transfer: True)
-        monkeypatch.setattr(FusedTransfer, "plans_ahead", lambda self, transfer: True)
+        monkeypatch.setattr(FusedStore, "_by_kernel", lambda self, transfer: True)
+        monkeypatch.setattr(FusedStore, "plans_ahead", lambda self, transfer: True)
     _, conn = _checked_conn("lbnhc", device, 17)
     slots = _slots(RANGES[-1][1], 18, "cpu")
     spec = TransferSpec(slots)

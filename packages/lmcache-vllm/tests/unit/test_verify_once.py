@@ -17,7 +17,8 @@ import torch
 from lmcache import gpu_ops
 from lmcache.config import LMCacheConfig
 from lmcache.gpu_connector import EngineInfo, TransferSpec
-from lmcache_vllm.transfer.fused.transfer import FusedTransfer
+from lmcache_vllm.transfer.fused.store import FusedStore
+from lmcache_vllm.transfer.fused.views import FusedViews
 from lmcache_vllm.transfer.paged_connector import VLLMPagedConnector
 from lmcache_vllm.transfer.token_transfer import TokenTransfer
 
@@ -146,7 +147,7 @@ def test_checksums_off_store_no_sums_and_load_by_the_kernel(
 ) -> None:
     """``checksum: false`` is honoured by stores (no sums), and loads still take the one-launch
     scatter (as verified loads do), moving the reference's bytes."""
-    monkeypatch.setattr(FusedTransfer, "_kernel_store", lambda self, transfer: True)
+    monkeypatch.setattr(FusedStore, "_by_kernel", lambda self, transfer: True)
     monkeypatch.setattr(gpu_ops, "one_launch_ops", lambda device: True)
     scatters: list[int] = []
     real = gpu_ops.scatter_kv
@@ -171,7 +172,7 @@ def test_checksums_off_store_no_sums_and_load_by_the_kernel(
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_store_gathers_on_a_few_sms(device, monkeypatch) -> None:
     """The store's gather runs beside the next forward pass: it is capped to ``gather_sms``."""
-    monkeypatch.setattr(FusedTransfer, "_kernel_store", lambda self, transfer: True)
+    monkeypatch.setattr(FusedStore, "_by_kernel", lambda self, transfer: True)
     caps: list[int] = []
     real = gpu_ops.gather_kv
     monkeypatch.setattr(
@@ -187,8 +188,8 @@ def test_a_store_gathers_on_a_few_sms(device, monkeypatch) -> None:
 def test_a_prefetch_in_pieces_is_checked_piece_by_piece(device, monkeypatch, sums_computed) -> None:
     """A hit copied in pieces of whole chunks is checked piece by piece, each after its own
     copy: the verdicts are those of one check of the whole copy."""
-    monkeypatch.setattr(FusedTransfer, "min_piece_bytes", 1)
-    monkeypatch.setattr(FusedTransfer, "kernel_pieces", 4)
+    monkeypatch.setattr(FusedViews, "min_piece_bytes", 1)
+    monkeypatch.setattr(FusedViews, "kernel_pieces", 4)
     _, src = _checked_conn("lbnhc", device, 81)
     chunks = _stored(src, chunk_buffers(src, RANGES, "scattered"), _slots(N, 82, "cpu"))
     chunks[2].buffer.reshape(-1).view(torch.uint8)[1] ^= 0x02

@@ -6,11 +6,13 @@ buffer and copy-engine DMAs. It runs on whichever thread calls the connector: vL
 thread for loads, the save queue's copy thread for stores, a lookup thread for the device copy
 and check of a hit.
 
-- :mod:`~lmcache_vllm.transfer.fused.plan`: where each chunk lies in staging, and which copies
-  move it.
+- :mod:`~lmcache_vllm.transfer.fused.store`: a store's steps, in order.
+- :mod:`~lmcache_vllm.transfer.fused.load`: a hit's steps, in order.
+- :mod:`~lmcache_vllm.transfer.fused.kernels`: the one-launch gathers and scatters, with the sums
+  that guard them.
+- :mod:`~lmcache_vllm.transfer.fused.views`: the strided views and the host copies.
+- :mod:`~lmcache_vllm.transfer.fused.plan`: where each chunk lies in staging, which copies move it.
 - :mod:`~lmcache_vllm.transfer.fused.slot_indices`: the device indices of the strided path.
-- :mod:`~lmcache_vllm.transfer.fused.views`: the strided views, gathers, scatters and copies.
-- :mod:`~lmcache_vllm.transfer.fused.store`: stores, through the gather kernel or the views.
-- :mod:`~lmcache_vllm.transfer.fused.transfer`: loads, prefetches and checks of hits.
-- :mod:`~lmcache_vllm.transfer.fused.verified_scatter`: checksums and verified scatters.
+- :mod:`~lmcache_vllm.transfer.fused.transfer`: builds the parts and hands each call to its
+  direction.
 """

@@ -162,7 +162,7 @@ class StagingPlan:
 class Prefetched:
     """A device copy of whole chunks, all layers, in the chunk-major staging layout.
 
-    Made by :meth:`~lmcache_vllm.transfer.fused.transfer.FusedTransfer.prefetch` on ``stream``;
+    Made by :meth:`~lmcache_vllm.transfer.fused.load.FusedLoad.prefetch` on ``stream``;
     complete once ``event`` is. A later load whose staged chunks are a run of these (same token
     ranges, same host buffers) scatters from ``staging`` instead of copying from the host. Copied in
     layer groups, ``layer_events`` holds ``(layer stop, event)`` per group, in order: a load of
@@ -217,7 +217,7 @@ class Prefetched:
 @dataclass
 class PreparedStore:
     """A store's plan and device slot indices, made by
-    :meth:`~lmcache_vllm.transfer.fused.transfer.FusedTransfer.prepare_store`
+    :meth:`~lmcache_vllm.transfer.fused.store.FusedStore.prepare`
     before the KV exists; valid for a copy of all layers of the same chunk list and slot
     mapping. ``uploaded``: CUDA event after the indices' upload."""
 

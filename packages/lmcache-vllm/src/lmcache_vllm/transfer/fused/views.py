@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The views, gathers, scatters and host copies of the fused all-layer path.
+"""The views of one paged cache and the moves both directions share.
 
 :class:`FusedViews` describes one ``kv_concat`` or ``mla`` cache through strided all-layer views.
-It gathers the chunks' tokens into a chunk-major staging buffer and scatters them back.
+It lays a call's chunks out in the chunk-major staging buffer (:meth:`FusedViews.staging_plan`).
+It gathers tokens into staging and scatters them back with advanced indexing (the path without
+the one-launch kernels).
 It copies staging to and from the chunks' host buffers through the device backend.
-:class:`~lmcache_vllm.transfer.fused.store.FusedStore` builds the store side on it, and
-:class:`~lmcache_vllm.transfer.fused.transfer.FusedTransfer` the load side.
+The store (:mod:`~lmcache_vllm.transfer.fused.store`) and the load
+(:mod:`~lmcache_vllm.transfer.fused.load`) each hold one.
 This module never imports vLLM.
 """
 
@@ -27,7 +29,6 @@ from lmcache_vllm.transfer.fused.plan import (
     widen_rows,
 )
 from lmcache_vllm.transfer.fused.slot_indices import SlotIndices
-from lmcache_vllm.transfer.fused.verified_scatter import ChunkChecksums
 from lmcache_vllm.transfer.kv_formats import describe
 from lmcache_vllm.transfer.paged_cache import PagedKVCache, fuse_layers, wait_for_transfer
 
@@ -63,9 +64,8 @@ class FusedViews:
     chunks, each at least ``min_piece_bytes``. Piece ``i``'s DMAs (on a side stream) overlap
     piece ``i + 1``'s gather, or piece ``i - 1``'s check and scatter. ``1``: one piece."""
 
-    def __init__(self, cache: PagedKVCache, backend: DeviceBackend, checksums: bool = True) -> None:
+    def __init__(self, cache: PagedKVCache, backend: DeviceBackend) -> None:
         self.cache = cache
-        self.checksums = checksums  # stores sum their chunks on the device (where it can)
         self.kv_format = cache.kv_format
         self._caches = list(cache.caches)
         self.block_size = cache.block_size
@@ -75,9 +75,6 @@ class FusedViews:
         self._init_fused()
         self._setup_fused()
         self._indices = SlotIndices(cache, backend, self._fused_by_slot)
-        self._sums: ChunkChecksums | None = None
-        if backend.has_streams and self._fused_any:
-            self._sums = ChunkChecksums(cache, backend)
 
     @property
     def num_layers(self) -> int:
@@ -91,16 +88,23 @@ class FusedViews:
     def dtype(self) -> torch.dtype:
         return self.cache.dtype
 
-    def _stream_ctx(self, transfer: TransferSpec) -> Any:
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer of one token."""
+        return self.kv_width * self._caches[0].element_size()
+
+    def stream_ctx(self, transfer: TransferSpec) -> Any:
+        """The stream context a call runs in (its ``transfer.stream``, else the current one)."""
         return transfer_stream(self.backend, self.device, transfer)
 
-    def _sync(self, transfer: TransferSpec) -> None:
+    def sync(self, transfer: TransferSpec) -> None:
+        """Wait for the call's stream."""
         wait_for_transfer(self.backend, self.device, transfer)
 
     def _init_fused(self) -> None:
         # Fused all-layer view (see _setup_fused); None -> the per-layer path.
-        self._fused: torch.Tensor | None = None
-        self._fused_layers: list[torch.Tensor] | None = None  # one view per layer instead
+        self.fused: torch.Tensor | None = None
+        self.fused_layers: list[torch.Tensor] | None = None  # one view per layer instead
         self._fused_split = False  # head_k != head_v: rows are [heads, K||V], split on copy
         self._fused_by_slot = False  # _fused is [L, slots, *row], else [L, B, N, *row]
         self._layer_ids = torch.empty(0, dtype=torch.int64)
@@ -109,8 +113,8 @@ class FusedViews:
 
     def _setup_fused(self) -> None:
         """Build the indexed views of the fused path, ``[..., slot, *row]`` (or ``[..., block,
-        offset, *row]``): ``self._fused`` over every layer at once when the layers are views of
-        one buffer with a uniform step, else ``self._fused_layers``, one view per layer (vLLM
+        offset, *row]``): ``self.fused`` over every layer at once when the layers are views of
+        one buffer with a uniform step, else ``self.fused_layers``, one view per layer (vLLM
         versions that allocate each layer's cache separately), when all layers share strides.
 
         ``mla``: ``[B, N, latent]``. ``kv_concat``: ``[B, N, 2, H, head]`` when K and V heads are
@@ -123,7 +127,7 @@ class FusedViews:
         self._fused_split = self.kv_format != "mla" and md.head_size_k != md.head_size_v
         fused = fuse_layers(self._caches)
         if fused is not None:
-            self._fused = self._row_view(fused, 1)
+            self.fused = self._row_view(fused, 1)
             self._layer_ids = torch.arange(self.num_layers, dtype=torch.int64, device=self.device)
             self._all_layers = self._layer_ids.view(1, -1, 1)
             return
@@ -135,7 +139,7 @@ class FusedViews:
                 describe(first),
             )
             return
-        self._fused_layers = [self._row_view(t, 0) for t in self._caches]
+        self.fused_layers = [self._row_view(t, 0) for t in self._caches]
 
     def _row_view(self, t: torch.Tensor, lead: int) -> torch.Tensor:
         """``t`` (``[*lead, B, H, N, C]``, MLA ``[*lead, B, N, D]``) as ``[*lead, slots, *row]``
@@ -157,13 +161,13 @@ class FusedViews:
         return merged
 
     @property
-    def _fused_any(self) -> bool:
+    def usable(self) -> bool:
         """Whether the fused path (one view, or one view per layer) is set up."""
-        return self._fused is not None or self._fused_layers is not None
+        return self.fused is not None or self.fused_layers is not None
 
     # -- fused path: all layers per op, chunk-major staging ------------------------------------
 
-    def _piece_bytes(self, total_bytes: int) -> int:
+    def piece_bytes(self, total_bytes: int) -> int:
         """Target bytes per piece on CUDA (0: one piece): about four pieces a call, each at
         most ``pipeline_bytes`` and at least ``min_piece_bytes`` (capped by the former)."""
         cap = self.pipeline_bytes
@@ -171,34 +175,32 @@ class FusedViews:
             return 0
         return max(min(self.min_piece_bytes, cap), min(cap, total_bytes // 4))
 
-    def _plan(
+    def staging_plan(
         self, layers: range, chunks: Sequence[ChunkTransfer], skip: int, piece_bytes: int = -1
     ) -> StagingPlan:
         """:func:`~lmcache_vllm.transfer.fused.plan.plan_chunks` of this cache (``piece_bytes`` -1:
-        :meth:`_piece_bytes`)."""
+        :meth:`piece_bytes`)."""
         return plan_chunks(
             layers,
             chunks,
             skip,
             piece_bytes,
             num_layers=self.num_layers,
-            layer_bytes=self.kv_width * self._caches[0].element_size(),
-            default_piece_bytes=self._piece_bytes,
+            layer_bytes=self.layer_bytes,
+            default_piece_bytes=self.piece_bytes,
         )
 
-    def _kernel_plan(
-        self, layers: range, chunks: Sequence[ChunkTransfer], skip: int
-    ) -> StagingPlan:
+    def kernel_plan(self, layers: range, chunks: Sequence[ChunkTransfer], skip: int) -> StagingPlan:
         """A plan for the kernels, whose pieces hold whole chunks (see :attr:`kernel_pieces`)."""
-        plan = self._plan(layers, chunks, skip, 0)
+        plan = self.staging_plan(layers, chunks, skip, 0)
         total = plan.total * plan.row_bytes
         if not self.backend.has_streams or self.kernel_pieces <= 1 or not plan.ops:
             return plan
         biggest = max(op.n for op in plan.ops) * plan.row_bytes  # never cut a chunk by layers
         piece = max(biggest, self.min_piece_bytes, -(-total // self.kernel_pieces))
-        return plan if piece >= total else self._plan(layers, chunks, skip, piece)
+        return plan if piece >= total else self.staging_plan(layers, chunks, skip, piece)
 
-    def _fused_indices(self, plan: StagingPlan, transfer: TransferSpec) -> tuple[torch.Tensor, Any]:
+    def slot_indices(self, plan: StagingPlan, transfer: TransferSpec) -> tuple[torch.Tensor, Any]:
         """:meth:`SlotIndices.build <lmcache_vllm.transfer.fused.slot_indices.SlotIndices.build>`: the
         device indices of ``plan``'s staging tokens and the check to call before trusting a
         scatter."""
@@ -214,11 +216,11 @@ class FusedViews:
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """``(token index tensors [g, 1, n - t0] each, staging view [g, layers, n - t0, *row])``
         of one op."""
-        if self._fused is not None:
-            ref, lead = self._fused, 1  # lead: the layer axis of the one view
+        if self.fused is not None:
+            ref, lead = self.fused, 1  # lead: the layer axis of the one view
         else:
-            assert self._fused_layers is not None
-            ref, lead = self._fused_layers[0], 0
+            assert self.fused_layers is not None
+            ref, lead = self.fused_layers[0], 0
         nl = op.l1 - op.l0
         tok = idx[:, op.pos : op.pos + op.g * op.n]
         if op.t0:
@@ -258,7 +260,7 @@ class FusedViews:
         else:
             torch.ops.aten.index.Tensor_out(src, index, out=out)
 
-    def _gather(
+    def gather(
         self, plan: StagingPlan, staging: torch.Tensor, layers: range, idx: torch.Tensor, piece: int
     ) -> None:
         """Gather every op of ``piece`` (all ops when ``piece < 0``) into staging."""
@@ -267,15 +269,15 @@ class FusedViews:
                 continue
             tok, out = self._op_views(plan, staging, layers, idx, op)
             a, b = layers.start + op.l0, layers.start + op.l1  # the layers this op holds
-            if self._fused is not None:
-                self._gather_into(self._fused, [self._layer_index(a, b), *tok], out)
+            if self.fused is not None:
+                self._gather_into(self.fused, [self._layer_index(a, b), *tok], out)
                 continue
-            assert self._fused_layers is not None
+            assert self.fused_layers is not None
             per_layer = [t.squeeze(1) for t in tok]  # [g, n - t0]
             for j in range(b - a):
-                self._gather_into(self._fused_layers[a + j], per_layer, out[:, j])
+                self._gather_into(self.fused_layers[a + j], per_layer, out[:, j])
 
-    def _scatter(
+    def scatter(
         self,
         plan: StagingPlan,
         staging: torch.Tensor,
@@ -299,15 +301,15 @@ class FusedViews:
                 a, b = lo, hi
             if self._fused_split:
                 src = torch.cat(self._split_kv(src), dim=-1)
-            if self._fused is not None:
-                self._fused.index_put_((self._layer_index(a, b), *tok), src)
+            if self.fused is not None:
+                self.fused.index_put_((self._layer_index(a, b), *tok), src)
                 continue
-            assert self._fused_layers is not None
+            assert self.fused_layers is not None
             per_layer = tuple(t.squeeze(1) for t in tok)
             for j in range(b - a):
-                self._fused_layers[a + j].index_put_(per_layer, src[:, j])
+                self.fused_layers[a + j].index_put_(per_layer, src[:, j])
 
-    def _copy_runs(
+    def copy_runs(
         self, plan: StagingPlan, staging: torch.Tensor, to_host: bool, piece: int = -1
     ) -> None:
         """Enqueue the host copies of ``plan`` (of ``piece``; all when ``piece < 0``) on the
@@ -349,12 +351,12 @@ class FusedViews:
 
     _staging_oom_logged = False
 
-    def _new_staging(self, nbytes: int) -> torch.Tensor:
+    def new_staging(self, nbytes: int) -> torch.Tensor:
         """A device staging buffer of ``nbytes`` on the current stream (raises
         ``torch.OutOfMemoryError`` when the device has no room)."""
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def _copy_stream(self, plan: StagingPlan, to_host: bool) -> Any:
+    def copy_stream(self, plan: StagingPlan, to_host: bool) -> Any:
         """The side stream for the host copies when ``plan`` has several pieces, else ``None``.
 
         Stores and loads each have their own: on one stream, a store's copies to the host
@@ -371,8 +373,6 @@ class FusedViews:
     def close(self) -> None:
         """Drop the views and the pinned index buffers."""
         self._caches = []
-        self._fused = None
-        self._fused_layers = None
+        self.fused = None
+        self.fused_layers = None
         self._indices.close()
-        if self._sums is not None:
-            self._sums.checks.close()

@@ -1,22 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Chunk checksums on the device for the fused path: sums on store, verified scatters on load.
+"""The one-launch kernels of the fused path, with the checksum each copy carries.
 
-:class:`ChunkChecksums` belongs to one :class:`~lmcache_vllm.transfer.fused.transfer.FusedTransfer`
-on a device with streams. It uses the ``torch.ops.lmcache`` kernels through :mod:`lmcache.gpu_ops`
+:class:`ChunkKernels` gathers a call's chunks into staging and scatters them back, one launch for
+all layers, summing or verifying each chunk in the same pass. The store
+(:mod:`~lmcache_vllm.transfer.fused.store`) and the load (:mod:`~lmcache_vllm.transfer.fused.load`)
+of a device with streams share one. It uses the ``torch.ops.lmcache`` kernels through :mod:`lmcache.gpu_ops`
 (their Triton port or vectorized torch where the compiled kernels are absent).
 
-- **Store.** Once a call's gathers have filled the chunk-major staging buffer, one
-  ``checksum_chunks`` launch sums every chunk's bytes there. The sums go to a pinned host
-  tensor on the same stream, so they are readable when the chunk bytes are.
+- **Store.** One ``gather_kv`` launch per piece fills the chunk-major staging buffer and sums
+  each chunk's bytes in the same pass (:meth:`ChunkKernels.gather_span`). The sums go to a
+  pinned host tensor on the same stream, so they are readable when the chunk bytes are.
 - **Load, all layers.** After the host copies into staging, one ``checksum_chunks`` launch sums
   the staged chunks and compares each with the sum stored with it. One ``scatter_kv`` launch
   then writes every layer of the chunks that matched. A chunk that did not match keeps its
   slots at ``-1``, so none of its bytes reach the engine's pages. The verdicts go back as
   :class:`~lmcache.gpu_connector.checksums.LoadChecks`.
-- **Before a load.** :meth:`ChunkChecksums.verify_chunks` checks a hit right after its lookup,
+- **Before a load.** :meth:`ChunkKernels.verify_chunks` checks a hit right after its lookup,
   in its device copy or through a scratch buffer, and waits. A bad chunk is then a miss, before
   vLLM is promised its tokens. A load from a device copy checked this way scatters it with
-  :meth:`ChunkChecksums.scatter`: each chunk is verified once.
+  :meth:`ChunkKernels.scatter`: each chunk is verified once.
 - **Unverified loads** (chunks with no sum, checksums off) take the same one-launch scatter.
 - **Load, some layers** (a layerwise load). The same ``scatter_kv`` launch returns the sums of
   the layers it moved. The cache engine adds the calls' sums and compares them at the end.
@@ -51,11 +53,11 @@ if TYPE_CHECKING:
     from lmcache_vllm.transfer.fused.plan import StagingPlan
     from lmcache_vllm.transfer.paged_cache import PagedKVCache
 
-__all__ = ["ChunkChecksums", "LoadIndex"]
+__all__ = ["ChunkKernels", "KernelIndex"]
 
 
 @dataclass(frozen=True)
-class LoadIndex:
+class KernelIndex:
     """Device tensors of one load's staged chunks (uploaded together in one copy).
 
     Attributes:
@@ -83,7 +85,7 @@ def _offsets(counts: Sequence[int]) -> list[int]:
     return gpu_ops.build_chunk_offsets(counts)
 
 
-class ChunkChecksums:
+class ChunkKernels:
     """Checksums and verified scatters of one fused cache (see the module docstring).
 
     Args:
@@ -104,6 +106,10 @@ class ChunkChecksums:
 
     # -- store --------------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Drop the pinned upload buffers."""
+        self.checks.close()
+
     def store_sums(self, plan: StagingPlan, staging: torch.Tensor) -> StoreChecksums:
         """Enqueue the sums of every staged chunk (all layers) on the current stream."""
         offsets = self.checks.upload(
@@ -116,7 +122,7 @@ class ChunkChecksums:
 
     def load_index(
         self, plan: StagingPlan, chunks: Sequence[ChunkTransfer], transfer: TransferSpec
-    ) -> LoadIndex:
+    ) -> KernelIndex:
         """The device tensors of a load of ``plan``'s staged chunks (one upload, no wait).
 
         The tokens and slots come from :func:`~lmcache.gpu_connector.checksums.staged_tokens`.
@@ -131,9 +137,9 @@ class ChunkChecksums:
         checksums = [chunks[i].checksum for i in positions]
         dev = self.checks.upload(pack_index(counts.tolist(), host_slots, checksums))
         k, total = len(positions), int(counts.sum())
-        return LoadIndex(positions, *split_index(dev, k, total), plan.row_bytes)
+        return KernelIndex(positions, *split_index(dev, k, total), plan.row_bytes)
 
-    def verified_scatter(self, index: LoadIndex, staging: torch.Tensor) -> LoadChecks:
+    def verified_scatter(self, index: KernelIndex, staging: torch.Tensor) -> LoadChecks:
         """Verify every staged chunk (all layers), then scatter the ones that matched; all on
         the current stream. ``staging`` holds exactly the staged chunks, all layers."""
         return self.checks.verified_scatter(index, staging, index.row_bytes)
@@ -145,7 +151,7 @@ class ChunkChecksums:
 
     def gather_span(
         self,
-        index: LoadIndex,
+        index: KernelIndex,
         staging: torch.Tensor,
         sums: torch.Tensor | None,
         span: tuple[int, int, int, int],
@@ -174,7 +180,7 @@ class ChunkChecksums:
         return StoreChecksums(self.checks.download(sums))
 
     def gather_layers(
-        self, index: LoadIndex, staging: torch.Tensor, sums: torch.Tensor | None, layers: range
+        self, index: KernelIndex, staging: torch.Tensor, sums: torch.Tensor | None, layers: range
     ) -> None:
         """Gather ``layers`` of every staged chunk into ``staging`` (those layers only), and
         each chunk's sum of their bytes into ``sums`` (none: no sums); on the current stream."""
@@ -189,7 +195,7 @@ class ChunkChecksums:
         )
 
     def scatter(
-        self, index: LoadIndex, staging: torch.Tensor, layers: range, *, staging_full: bool
+        self, index: KernelIndex, staging: torch.Tensor, layers: range, *, staging_full: bool
     ) -> None:
         """Scatter ``layers`` of every staged chunk, unchecked (one launch); on the current
         stream. For chunks with no sum, or verified already in these very bytes."""
@@ -197,7 +203,7 @@ class ChunkChecksums:
 
     def scatter_pieces(
         self,
-        index: LoadIndex,
+        index: KernelIndex,
         staging: torch.Tensor,
         spans: Sequence[tuple[int, int, int, int]],
         ready: Sequence[Any],
@@ -216,14 +222,14 @@ class ChunkChecksums:
             )
 
     @staticmethod
-    def checked_before(index: LoadIndex) -> LoadChecks:
+    def checked_before(index: KernelIndex) -> LoadChecks:
         """The checks of a load whose chunks were all verified in its very staged bytes before
         (at lookup): every chunk matched. No device work, nothing to wait for."""
         return LoadChecks(index.positions, ok=torch.ones(len(index.positions), dtype=torch.bool))
 
     def verified_scatter_pieces(
         self,
-        index: LoadIndex,
+        index: KernelIndex,
         staging: torch.Tensor,
         spans: Sequence[tuple[int, int, int, int]],
         ready: Sequence[Any],
@@ -247,7 +253,7 @@ class ChunkChecksums:
         return LoadChecks(index.positions, ok=self.checks.download(ok))
 
     def summed_scatter(
-        self, index: LoadIndex, staging: torch.Tensor, layers: range, *, staging_full: bool
+        self, index: KernelIndex, staging: torch.Tensor, layers: range, *, staging_full: bool
     ) -> LoadChecks:
         """Scatter ``layers`` of every staged chunk and return the sums of the bytes moved (the
         engine compares them once every layer has moved); on the current stream."""
