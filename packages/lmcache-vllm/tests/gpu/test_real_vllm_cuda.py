@@ -7,7 +7,8 @@ offline GPU machine put an unpacked vLLM on ``PYTHONPATH`` first (the README's "
 says how). Each case starts engines in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on a
 tiny random Llama built at test time; vLLM's V1 and V2 GPU model runners and its FLASH_ATTN and
 TRITON_ATTN backends are exercised, plus corrupted CPU-tier chunks (caught by the GPU
-checksums, on by default) and the disk tier (pinned staging buffers, ``O_DIRECT`` reads).
+checksums, on by default), corrupted disk files (caught when read) and the disk tier (pinned
+staging buffers, ``O_DIRECT`` reads).
 """
 
 from __future__ import annotations
@@ -130,17 +131,49 @@ def test_store_reset_hit_identical(model_dir, baseline, runner, layerwise, backe
         reset_process_cpu_tiers()
 
 
+def _live() -> Any:
+    """The lmcache engine of the one vLLM engine alive in this process."""
+    from lmcache_vllm.vllm_v1_adapter import live_engines
+
+    return live_engines()[-1]
+
+
+def _keys(engine: Any) -> list[bytes]:
+    """The keys of PROMPT's two full chunks (no cache salt)."""
+    from lmcache.keys import chunk_keys
+
+    return chunk_keys(PROMPT, engine.metadata.fingerprint(), CHUNK, salt="\0")[:2]
+
+
+def _wait(check: Any, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not check():  # saves commit, and disk writes land, after the request returned
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
+
+
+def _hit(llm: Any) -> list[tuple[list[int], int]]:
+    """PROMPT after emptying vLLM's prefix cache: what it finds comes from lmcache."""
+    assert llm.reset_prefix_cache()
+    return _gen(llm, [PROMPT])
+
+
+def _failed_loads(llm: Any) -> float:
+    names = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+    return float(names.get("vllm:lmcache_failed_load_tokens", 0) or 0)
+
+
 @pytest.mark.parametrize("runner", ["v1", "v2"])
-@pytest.mark.parametrize("damage", ["flipped_bit", "other_chunk"])
-def test_corrupted_chunk_is_recomputed(model_dir, baseline, damage, runner, monkeypatch):
+@pytest.mark.parametrize("layerwise", [False, True], ids=["batched", "layerwise"])
+def test_corrupted_chunk_is_recomputed(model_dir, baseline, layerwise, runner, monkeypatch):
     """Default settings: the store sums each chunk on the GPU, the lookup verifies the hit there.
 
-    A bit flipped in a stored chunk's host bytes, or a chunk overwritten with another chunk's
-    bytes, is caught on the device right after the lookup, before vLLM is promised the tokens:
-    the hit ends before the bad chunk, vLLM computes the rest, the output equals vLLM's alone,
-    and the bad chunk leaves the tier.
+    A bit flipped in a stored chunk's host bytes, then the chunk overwritten with another
+    chunk's bytes, is caught on the device right after the lookup, before vLLM is promised the
+    tokens, for the batched and the layerwise load: the hit ends before the bad chunk, vLLM
+    computes the rest (no failed load), the output equals vLLM's alone, the bad chunk leaves the
+    tier, and the recompute stores it again (the next hit is whole).
     """
-    from lmcache import tiers
     from lmcache.tiers import reset_process_cpu_tiers
 
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if runner == "v2" else "0")
@@ -148,26 +181,92 @@ def test_corrupted_chunk_is_recomputed(model_dir, baseline, damage, runner, monk
     kv = {
         "kv_connector": "LMCacheConnectorV1",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"lmcache.chunk_size": CHUNK},
+        "kv_connector_extra_config": {"lmcache.chunk_size": CHUNK, "use_layerwise": layerwise},
     }
-    llm = _llm(model_dir, kv)
+    llm = _llm(model_dir, kv, disable_log_stats=False)
     try:
         assert _gen(llm, [PROMPT]) == [(baseline["prompt"], 0)]
-        assert llm.reset_prefix_cache()
-        (tier,) = tiers.process_tier._tiers.values()
-        deadline = time.monotonic() + 10
-        while len(tier._entries) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)  # the save's commit is asynchronous
-        entries = list(tier._entries.values())  # chain order: chunk 0, chunk 1
-        assert len(entries) == 2
-        assert all(e.lease.checksum is not None and e.checksum is None for e in entries)
-        a, b = (e.lease.tensor.view(-1).view(torch.uint8) for e in entries)
-        if damage == "flipped_bit":
-            b[12345] ^= 0x10
-        else:
-            b.copy_(a)
-        assert _gen(llm, [PROMPT]) == [(baseline["prompt"], CHUNK)]  # chunk 0 only
-        assert entries[1] not in tier._entries.values()  # the bad chunk was dropped
+        engine = _live()
+        tier, keys = engine.tier, _keys(engine)
+        for damage in ("flipped_bit", "other_chunk", None):
+            _wait(lambda: all(tier.contains(k) for k in keys), "both chunks are stored")
+            assert _hit(llm) == [(baseline["prompt"], 2 * CHUNK)]  # intact: both chunks hit
+            if damage is None:
+                break
+            entries = [tier._entries[k] for k in keys]
+            assert all(e.lease.checksum is not None and e.checksum is None for e in entries)
+            a, b = (e.lease.tensor.view(-1).view(torch.uint8) for e in entries)
+            with torch.inference_mode():
+                if damage == "flipped_bit":
+                    b[12345] ^= 0x10
+                else:
+                    b.copy_(a)
+            failures = engine.metrics.value("checksum_failures")
+            assert _hit(llm) == [(baseline["prompt"], CHUNK)]  # chunk 0 only
+            assert engine.metrics.value("checksum_failures") == failures + 1
+            assert entries[1] not in tier._entries.values()  # the bad chunk was dropped
+        assert _failed_loads(llm) == 0
+    finally:
+        _shutdown(llm)
+        reset_process_cpu_tiers()
+
+
+@pytest.mark.parametrize("local_cpu", [False, True], ids=["disk", "disk_promoted"])
+def test_corrupted_disk_chunk_is_recomputed(model_dir, baseline, local_cpu, tmp_path):
+    """A disk hit: ``local_cpu: false``, or promoted into a host tier emptied as by a restart.
+
+    A bit flipped in a chunk file's payload, its payload replaced by another chunk's (the
+    header's payload checksum catches both), or the whole file replaced by another chunk's (the
+    header's key catches it) fails the read's verification: the hit ends before the chunk, the
+    file is deleted, the output equals vLLM's alone, and the recompute writes the chunk again.
+    """
+    from lmcache.tiers import reset_process_cpu_tiers
+    from lmcache.tiers.chunk_format import HEADER_BYTES, fingerprint_digest
+
+    reset_process_cpu_tiers()
+    kv = {
+        "kv_connector": "LMCacheConnectorV1",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "lmcache.chunk_size": CHUNK,
+            "lmcache.local_cpu": local_cpu,
+            "lmcache.max_local_cpu_size": 1.0,
+            "lmcache.local_disk": str(tmp_path / "kv"),
+            "lmcache.max_local_disk_size": 1.0,
+        },
+    }
+    llm = _llm(model_dir, kv, disable_log_stats=False)
+    try:
+        assert _gen(llm, [PROMPT]) == [(baseline["prompt"], 0)]
+        engine = _live()
+        folder = tmp_path / "kv" / fingerprint_digest(engine.metadata.fingerprint()).hex()
+        first, second = (folder / f"{k.hex()}.lmc" for k in _keys(engine))
+
+        def from_disk() -> list[tuple[list[int], int]]:
+            def written() -> bool:
+                assert all(lower.flush(30) for lower in engine.lower_tiers)
+                return first.exists() and second.exists()
+
+            _wait(written, "both chunk files are written")
+            engine.tier.clear()  # what a restart leaves (local_cpu false: empty already)
+            return _hit(llm)
+
+        for damage in ("flipped_bit", "other_payload", "other_file", None):
+            assert from_disk() == [(baseline["prompt"], 2 * CHUNK)]  # intact: both chunks hit
+            if damage is None:
+                break
+            data, other = second.read_bytes(), first.read_bytes()
+            if damage == "flipped_bit":
+                data = data[:-2] + bytes([data[-2] ^ 0x01]) + data[-1:]
+            elif damage == "other_payload":
+                data = data[:HEADER_BYTES] + other[HEADER_BYTES:]
+            else:
+                data = other
+            second.write_bytes(data)
+            failures = engine.metrics.value("checksum_failures")
+            assert from_disk() == [(baseline["prompt"], CHUNK)]  # chunk 0 only
+            assert engine.metrics.value("checksum_failures") == failures + 1
+        assert _failed_loads(llm) == 0
     finally:
         _shutdown(llm)
         reset_process_cpu_tiers()
