@@ -7,6 +7,16 @@ place, :meth:`CudaBackend.host_register`).
 
 This is the only module of lmcache that calls ``torch.cuda``; everything else goes through
 :class:`CudaBackend` (``lmcache.devices.get_backend("cuda")``).
+
+A raw copy is invisible to torch's pinned allocator: it may hand a dropped buffer out again while
+the DMA still runs. So a raw copy's host buffer is always one that knows about the DMA:
+
+- a chunk of lmcache's pinned pool, whose lease is released only after its copy was waited for;
+- a buffer of :class:`~lmcache.devices.UploadRing`, reused only once its upload's event completed;
+- a buffer kept alive until a synchronise (the connectors' warm-up).
+
+Small transient buffers (checksum downloads, slot bounds) move with torch's own ``copy_``
+instead, which records the stream with the allocator.
 """
 
 from __future__ import annotations
