@@ -29,6 +29,9 @@ Pages live in every tier lmcache is configured with: ``batch_exists`` spans CPU 
 remote, a get reads pages found only below the CPU tier into host memory, verified, before
 copying them into SGLang's host pool, and a set writes the CPU tier and queues the pages for the
 disk / remote tiers (write-through, asynchronous; ``close`` waits for the queue).
+The connector moves pages between lmcache and SGLang's host pool, which is CPU memory, so
+``checksum_for("cpu")`` is on by default: every page is hashed on the host when stored and
+verified there before it is copied into the host pool (``checksum: false`` turns it off).
 
 Every failure is a miss (``False`` / ``None`` / a shorter prefix), logged, never an exception
 into SGLang's storage threads; bad configuration raises at construction.
@@ -237,8 +240,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
             store.slot_spec(slots, len(keys))  # validates the slot count
             held = store.hold(list(keys))
             try:
-                store.load(held, slots[: len(held) * store.page_size])
-                loaded = len(held)
+                loaded = store.load(held, slots[: len(held) * store.page_size])
             finally:
                 held.release()
         except Exception as exc:

@@ -24,6 +24,17 @@ found only below the CPU tier into CPU-tier buffers, verified (and promoted into
 every lower tier in page order (write-through, asynchronous); with ``local_cpu: false`` host
 memory only stages; :meth:`PageStore.clear` drops the model's pages from every tier. A tier that
 fails is a miss.
+
+Checksums in the CPU tier follow the cache engine's (``checksum``, resolved by
+:meth:`~lmcache.config.LMCacheConfig.checksum_for` for the connector's device and whether it
+:attr:`~lmcache.gpu_connector.interface.GPUConnectorInterface.verifies_checksums`).
+With a connector that verifies on the device (SGLang's CUDA pool), a store keeps the sum the
+device computed of each page with its bytes (``MemoryLease.checksum``), so the host hashes
+nothing. Such a page is not verified when it is held: :meth:`PageStore.load` hands its sum to the
+connector, which checks the staged bytes and writes only the pages that match, in one pass.
+A page that fails is counted in ``checksum_failures``, dropped from the CPU tier and never
+reported as loaded. Other connectors (a CPU pool) hash each page on the host at store and verify
+it when it is held. Pages read from disk or Redis are verified by their tier when read.
 """
 
 from __future__ import annotations
@@ -31,13 +42,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xxhash
 
 from lmcache.config import LMCacheConfig
+from lmcache.gpu_connector.checksums import LoadChecks
 from lmcache.gpu_connector.interface import ChunkTransfer, GPUConnectorInterface, TransferSpec
+from lmcache.gpu_ops import chunk_checksum
 from lmcache.memory import MemoryLease
 from lmcache.metadata import LMCacheMetadata
 from lmcache.metrics import LMCacheMetrics
@@ -53,9 +66,14 @@ PAGE_KEY_FORMAT = b"lmcache-sglang-page-v1\0"
 
 @dataclass
 class HeldPages:
-    """Verified leases on a run of stored pages, in page order; release when done."""
+    """Leases on a run of stored pages, in page order, and their tier keys; release when done.
+
+    Each page was verified when it was held, or carries the sum its device computed
+    (``lease.checksum``), which the connector verifies when :meth:`PageStore.load` writes it.
+    """
 
     leases: list[MemoryLease]
+    keys: list[bytes] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.leases)
@@ -67,9 +85,10 @@ class HeldPages:
                 lease.release()
 
     def chunks(self, page_size: int) -> list[ChunkTransfer]:
-        """The pages as chunks of a request whose tokens are these pages in order."""
+        """The pages as chunks of a request whose tokens are these pages in order, each with
+        the device sum it carries (``None``: none to verify at load)."""
         return [
-            ChunkTransfer(i * page_size, (i + 1) * page_size, lease.tensor)
+            ChunkTransfer(i * page_size, (i + 1) * page_size, lease.tensor, lease.checksum)
             for i, lease in enumerate(self.leases)
         ]
 
@@ -79,7 +98,8 @@ class PageStore:
 
     Args:
         config: lmcache configuration (``cache_salt``, ``checksum`` (resolved for the
-            connector's device, :meth:`~lmcache.config.LMCacheConfig.checksum_for`), ``local_cpu``; with
+            connector's device and whether it verifies on the device,
+            :meth:`~lmcache.config.LMCacheConfig.checksum_for`), ``local_cpu``; with
             ``lower_tiers=None`` also ``local_disk`` / ``remote_url``).
         metadata: Geometry; ``metadata.chunk_size`` must be SGLang's ``page_size``.
         connector: Moves pages between SGLang's pool and page buffers.
@@ -130,7 +150,9 @@ class PageStore:
             self.fingerprint,
             metrics,
             local_cpu=config.local_cpu,
-            checksum=config.checksum_for(connector.engine.device),
+            checksum=config.checksum_for(
+                connector.engine.device, on_device=connector.verifies_checksums
+            ),
         )
         page_bytes = metadata.num_layers * self.page_size * metadata.kv_width
         page_bytes *= metadata.kv_dtype.itemsize
@@ -187,19 +209,43 @@ class PageStore:
         return found
 
     def hold(self, page_hashes: Sequence[str]) -> HeldPages:
-        """Verified leases on the longest stored prefix of ``page_hashes``, in any tier.
+        """Leases on the longest stored prefix of ``page_hashes``, in any tier.
 
-        Pages in the CPU tier have their checksum verified now; pages found only on disk or in
-        Redis are read into CPU-tier buffers and verified (header, key, model fingerprint,
-        geometry, checksum), and promoted into the CPU tier when ``local_cpu``. The first
-        missing or corrupt page ends the run. The pages cannot be evicted until
+        Pages in the CPU tier that carry a device sum are left for the connector to verify when
+        :meth:`load` writes them (when it verifies on the device; otherwise they are hashed
+        here). Other CPU-tier pages have their checksum verified now. Pages found only on disk
+        or in Redis are read into CPU-tier buffers and verified (header, key, model
+        fingerprint, geometry, checksum), and promoted into the CPU tier when ``local_cpu``.
+        The first missing or corrupt page ends the run. The pages cannot be evicted until
         :meth:`HeldPages.release`.
         """
         keys = [self.key(h) for h in page_hashes]
         shape = self._shape()
         leases = cascade.hit_run(self.tiers, keys, [shape] * len(keys), self.metadata.kv_dtype)
+        if not self.connector.verifies_checksums:  # no device here will check the sums
+            bad = next(
+                (
+                    i
+                    for i, lease in enumerate(leases)
+                    if lease.checksum is not None and chunk_checksum(lease.tensor) != lease.checksum
+                ),
+                None,
+            )
+            if bad is not None:
+                self._drop_bad(keys[bad])
+                for lease in leases[bad:]:
+                    lease.release()
+                leases = leases[:bad]
         self._touch(keys[: len(leases)])
-        return HeldPages(leases)
+        return HeldPages(leases, keys[: len(leases)])
+
+    def checks_at_load(self, held: HeldPages) -> bool:
+        """Whether :meth:`load` verifies some of ``held`` on the device (pages that carry a
+        device sum, not verified when held): only a load of all layers at once can refuse them
+        before they reach the pool."""
+        return self.connector.verifies_checksums and any(
+            lease.checksum is not None for lease in held.leases
+        )
 
     # -- transfers ----------------------------------------------------------------------------
 
@@ -217,27 +263,37 @@ class PageStore:
             )
         return TransferSpec(slots.to(torch.int64))
 
-    def load(self, held: HeldPages, slots: torch.Tensor, layers: range | None = None) -> None:
-        """Copy held pages (all layers, or ``layers``) into the pool's ``slots``.
+    def load(self, held: HeldPages, slots: torch.Tensor) -> int:
+        """Copy the held pages (all layers) into the pool's ``slots``, verified.
+
+        Each page that carries a device sum goes to the connector with it, and the connector
+        writes it only when its staged bytes match (one pass on the device). A page that fails
+        is counted in ``checksum_failures`` and dropped from the CPU tier; its slots keep what
+        they held. A connector that does not verify gets no such page (:meth:`hold` hashed
+        them), and a sum it left unchecked is compared on the host after the copy.
+
+        Returns:
+            How many leading pages are in the pool, verified: ``len(held)`` unless a page
+            failed (pages after the first failure may be written but are not counted).
 
         Raises:
             ValueError: ``slots`` does not cover the held pages. Connector errors are raised.
         """
         if not held.leases:
-            return
+            return 0
         started = time.perf_counter()
         spec = self.slot_spec(slots, len(held))
         chunks = held.chunks(self.page_size)
-        if layers is None or len(layers) == self.connector.num_layers:
-            self.connector.to_gpu(chunks, spec)
-        else:
-            for layer in layers:
-                self.connector.to_gpu_layer(layer, chunks, spec)  # type: ignore[attr-defined]
+        checks = self.connector.to_gpu(chunks, spec)
         self.connector.synchronize()
-        if layers is None or layers.stop == self.connector.num_layers:
-            self.metrics.loaded_chunks.inc(len(held))
-            self.metrics.loaded_bytes.inc(sum(lease.nbytes for lease in held.leases))
-            self.metrics.retrieve_seconds.observe(time.perf_counter() - started)
+        failed = _load_failures(chunks, checks)
+        for pos in failed:
+            self._drop_bad(held.keys[pos])
+        loaded = failed[0] if failed else len(held)
+        self.metrics.loaded_chunks.inc(loaded)
+        self.metrics.loaded_bytes.inc(sum(lease.nbytes for lease in held.leases[:loaded]))
+        self.metrics.retrieve_seconds.observe(time.perf_counter() - started)
+        return loaded
 
     def store(self, page_hashes: Sequence[str], slots: torch.Tensor) -> int:
         """Save the pages ``page_hashes`` whose token slots are ``slots`` (stored ones skipped).
@@ -277,7 +333,12 @@ class PageStore:
                 chunk = ChunkTransfer(i * self.page_size, (i + 1) * self.page_size, lease.tensor)
                 pending.append((i, chunk, lease))
             if pending:
-                self.connector.from_gpu([c for _, c, _ in pending], spec)
+                sums = self.connector.from_gpu([c for _, c, _ in pending], spec)
+                if sums is not None and self.tiers.checksum:
+                    # the device's sums stay with the bytes: publish hashes nothing on the host,
+                    # and the connector verifies each page against its sum when it loads it
+                    for (_, _, lease), value in zip(pending, sums.values(), strict=True):
+                        lease.checksum = value
                 done = cascade.publish(self.tiers, [(keys[i], lease) for i, _, lease in pending])
                 if done < len(pending):
                     stored = min(stored, pending[done][0])
@@ -333,6 +394,46 @@ class PageStore:
         """
         cascade.clear(self.tiers)
 
+    def _drop_bad(self, key: bytes) -> None:
+        """Count a page whose bytes failed their device sum, and drop it from the CPU tier."""
+        self.metrics.checksum_failures.inc()
+        logger.warning(
+            "Checksum mismatch for page %s in the CPU tier: its bytes changed after they were "
+            "stored. Treating it as a miss (never loaded) and dropping it.",
+            key.hex(),
+        )
+        try:
+            self.tier.remove(key)
+        except Exception as exc:
+            self._tier_error("drop a bad page", exc)
+
     def _tier_error(self, action: str, exc: Exception) -> None:
         self.metrics.tier_errors.inc()
         logger.warning("CPU tier failed to %s (%r); treating it as a miss.", action, exc)
+
+
+def _load_failures(chunks: Sequence[ChunkTransfer], checks: LoadChecks | None) -> list[int]:
+    """Positions of the loaded ``chunks`` whose bytes did not match their device sum.
+
+    A chunk the connector verified before its scatter counts as it said; the sums of a load of
+    every layer are compared here; a sum the connector did not check is hashed on the host.
+    """
+    if all(c.checksum is None for c in chunks):
+        return []
+    checked: set[int] = set()
+    failed: set[int] = set()
+    if checks is not None and checks.verified:
+        for pos, ok in zip(checks.chunks, checks.ok(), strict=True):
+            checked.add(pos)
+            if not ok:
+                failed.add(pos)
+    elif checks is not None:  # the sums of every layer: this load moved all of them
+        for pos, value in zip(checks.chunks, checks.sums(), strict=True):
+            checked.add(pos)
+            if value != chunks[pos].checksum:
+                failed.add(pos)
+    for pos, chunk in enumerate(chunks):
+        unchecked = chunk.checksum is not None and pos not in checked
+        if unchecked and chunk_checksum(chunk.buffer) != chunk.checksum:
+            failed.add(pos)
+    return sorted(failed)
