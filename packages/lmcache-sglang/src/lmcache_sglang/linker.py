@@ -16,10 +16,15 @@ Load it with::
   the LoRA adapter, and ``cache_salt``); lmcache keys them with the model fingerprint and rank
   (:mod:`lmcache_sglang.page_store`) and returns every stored prefix length, in pages.
 - **load** (``init_load_back``): the hit pages are leased and checksum-verified *now*; a page
-  that went missing or fails its checksum refuses the load (SGLang recomputes). The load is
-  queued; ``start_layer_wise_loading`` hands the batch to a load thread that writes layer after
-  layer into the request's private slots and completes SGLang's ``LayerWiseLoadCounter``, which
-  the attention layers wait on (layerwise).
+  that went missing or fails its checksum refuses the load (SGLang frees the slots and
+  recomputes). On a CUDA pool, pages stored from it carry the sum the GPU computed at store:
+  they are copied into the request's private slots now, all layers at once, and verified on the
+  GPU in that same pass (a page that fails is never written, is dropped from the CPU tier, and
+  refuses the load); SGLang's ``LayerWiseLoadCounter`` then completes at once. Other pages (a
+  CPU pool, ``checksum: false``, pages read from disk or Redis) are verified on the host when
+  leased, and the load is queued: ``start_layer_wise_loading`` hands the batch to a load thread
+  that writes layer after layer into the request's private slots and completes the counter,
+  which the attention layers wait on (layerwise).
 - **offload** (write-through of inserted nodes): queued to an offload thread that copies the
   pages out and stores them (asynchronous); SGLang collects completions through
   ``num_completed_offloads`` / ``pop_completed_offload``. An offload completes once its pages
@@ -132,6 +137,9 @@ def build_page_store(
 
 @dataclass
 class _QueuedLoad:
+    """A load waiting for ``start_layer_wise_loading``: ``held`` pages still to copy into
+    ``slots`` (none when the pages were copied and verified at ``load``)."""
+
     rid: str
     held: HeldPages
     slots: torch.Tensor
@@ -163,7 +171,8 @@ class LMCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is unty
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         self.pools: dict[Any, object] = {PoolName.KV: kvcache}
         # the pool's device backend: offloads wait for the forward's events where it has streams
-        self._backend = get_backend(str(getattr(kvcache, "device", "cpu")))
+        device = str(getattr(kvcache, "device", "cpu"))
+        self._backend = get_backend(device)
         self.num_layers = self.store.metadata.num_layers
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
         self._queued: dict[str, _QueuedLoad] = {}
@@ -173,7 +182,18 @@ class LMCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is unty
             queue.Queue()
         )
         self._offload_results: queue.Queue[bool] = queue.Queue()
-        self.stats = {"lookup_pages": 0, "loaded_pages": 0, "offloaded_pages": 0, "errors": 0}
+        # verified loads of all layers run on a stream of their own: the forward in flight
+        # on the scheduler's streams does not delay them
+        self._verify_stream = (
+            self._backend.new_stream(torch.device(device)) if self._backend.has_streams else None
+        )
+        self.stats = {
+            "lookup_pages": 0,
+            "loaded_pages": 0,
+            "offloaded_pages": 0,
+            "errors": 0,
+            "refused_loads": 0,
+        }
         self._threads = [
             threading.Thread(target=self._load_loop, name="lmcache-sglang-load", daemon=True),
             threading.Thread(target=self._offload_loop, name="lmcache-sglang-offload", daemon=True),
@@ -222,7 +242,12 @@ class LMCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is unty
             return []
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
-        """Lease and verify the pages now; queue the copy. ``False`` refuses the load."""
+        """Lease and verify the pages now; queue the copy. ``False`` refuses the load.
+
+        Pages whose device sums the connector verifies are copied now, verified in the same
+        pass (:meth:`_copy_verified`); the others are copied layer by layer once the batch
+        starts.
+        """
         held: HeldPages | None = None
         try:
             kv = self._kv_only(transfers)
@@ -235,6 +260,10 @@ class LMCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is unty
                 return False
             slots = kv.device_indices.to("cpu", torch.int64)
             self.store.slot_spec(slots, len(keys))  # validates the slot count
+            if self.store.checks_at_load(held):
+                copied, held = held, HeldPages([])
+                if not self._copy_verified(rid, copied, slots):
+                    return False
             with self._lock:
                 if rid in self._queued:
                     raise RuntimeError(f"a load for request {rid} is already queued")
@@ -245,6 +274,31 @@ class LMCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is unty
                 held.release()
             self._miss(f"load of {rid}", exc)
             return False
+
+    def _copy_verified(self, rid: str, held: HeldPages, slots: torch.Tensor) -> bool:
+        """Copy ``held`` into ``slots`` now, all layers, verified on the device (and release it).
+
+        Only a load that ``load`` still refuses lets SGLang recompute: a layerwise load found
+        bad after its forward makes SGLang abort the request instead. ``False``: a page failed
+        its sum (never written, dropped from the CPU tier), so the load is refused.
+        """
+        try:
+            with self._backend.use_stream(self._verify_stream):  # None: the current stream
+                landed = self.store.load(held, slots)
+        finally:
+            held.release()
+        if landed < len(held):
+            self.stats["refused_loads"] += 1
+            logger.warning(
+                "lmcache linker: %d of %d pages of request %s landed before one failed its "
+                "checksum; the load is refused (SGLang recomputes these tokens).",
+                landed,
+                len(held),
+                rid,
+            )
+            return False
+        self.stats["loaded_pages"] += landed
+        return True
 
     def start_layer_wise_loading(self) -> int:
         with self._lock:
@@ -274,6 +328,7 @@ class LMCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is unty
 
     def _load_batch(self, index: int, batch: list[_QueuedLoad]) -> None:
         ps = self.page_size
+        batch = [load for load in batch if load.held.leases]  # the others are in place
         chunks: list[ChunkTransfer] = []
         for load in batch:
             base = len(chunks)
@@ -281,9 +336,10 @@ class LMCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is unty
                 ChunkTransfer((base + i) * ps, (base + i + 1) * ps, lease.tensor)
                 for i, lease in enumerate(load.held.leases)
             ]
-        spec = TransferSpec(torch.cat([load.slots for load in batch]))
+        spec = TransferSpec(torch.cat([load.slots for load in batch])) if batch else None
         for layer in range(self.num_layers):
-            self._write_layer(layer, chunks, spec)
+            if spec is not None:
+                self._write_layer(layer, chunks, spec)
             self.layer_done_counter.complete(index, layer)
         self.stats["loaded_pages"] += len(chunks)
         metrics = self.store.metrics
