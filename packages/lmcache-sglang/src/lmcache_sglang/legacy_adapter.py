@@ -18,6 +18,10 @@ adapters enabled every request runs without lmcache (one warning). A hit found b
 is leased until it is loaded or released, and any lmcache failure is a miss (0 tokens), never a
 request error. Only MHA pools (``k_buffer`` / ``v_buffer``) exist on this
 path (``LMCRadixCache`` reads them).
+
+On CUDA the cache engine keeps the sum the GPU computed of each stored chunk and verifies it on
+the GPU at load, by default: a chunk that fails is never written, is dropped, and
+``retrieve_kv`` counts only the tokens before it (SGLang computes the rest).
 """
 
 from __future__ import annotations
