@@ -16,8 +16,19 @@ H200 image; see ``tools/gpu_engines/``):
   ``page_first_direct`` with direct I/O and the zero-copy interface, ``layer_first`` with the
   kernel I/O and the flat-page interface.
 
+Each lmcache engine then checks that a corrupted page or chunk is never used: after the hits,
+one byte of one entry of lmcache's CPU tier is flipped in SGLang's scheduler process, and the
+same prompt must give the same greedy output with fewer tokens restored (``--enable-lmcache``
+on CUDA: the entry carries the sum the GPU computed at store and fails on the GPU at load;
+HiCache: the entry carries a host checksum, checked when the page is leased). One more engine
+runs ``--enable-lmcache`` with default settings (no lmcache keys in its config file) and must
+hit, its CPU-tier chunks all carrying device sums (verification on by default).
+
 Each engine runs in its own process (this file run as a script), one at a time: SGLang's
-``Engine.shutdown()`` kills every child process of its caller. Outputs are compared token for
+``Engine.shutdown()`` kills every child process of its caller. SGLang's scheduler is spawned, so
+it imports this file as ``__mp_main__``: there a thread (``sglang_tier_requests.py``, beside this
+file) answers the worker's requests to read or damage lmcache's process tier
+(``lmcache.tiers.process_tier``). Outputs are compared token for
 token with the same prompts on an engine without lmcache. Each run appends one JSON line per
 engine to ``$LMC_GPU_LOG_DIR/summary.jsonl`` and keeps the engine's log beside it
 (default: pytest's temporary folder). ``LMC_GPU_BUDGET_S`` (default 900) bounds the
@@ -56,6 +67,7 @@ HICACHE_VARIANTS = {
     "page_first_direct-direct-v1": ("page_first_direct", "direct", 1),
     "layer_first-kernel-flat": ("layer_first", "kernel", 0),
 }
+FLIP_ENTRY = 4  # the CPU-tier entry damaged: chunk 4 of 9 (64 tokens), page 4 of 37 (HiCache)
 
 
 def _skip_reason() -> str | None:
@@ -106,21 +118,15 @@ def engine_kwargs(model_dir: str, hook: str, variant: str | None, work: str) -> 
         "random_seed": 0,
         "log_level": "info",
     }
-    if hook == "enable_lmcache":
+    if hook in ("enable_lmcache", "enable_lmcache_defaults"):
         import yaml
 
-        path = Path(work) / "lmcache.yaml"
-        # LMCache's daemon keys (SGLang 0.5.17 reads them; we ignore them) and ours.
-        path.write_text(
-            yaml.safe_dump(
-                {
-                    "mp_host": "127.0.0.1",
-                    "mp_port": 5556,
-                    "chunk_size": CHUNK,
-                    "max_local_cpu_size": 0.25,
-                }
-            )
-        )
+        path = Path(work) / f"{hook}.yaml"
+        # LMCache's daemon keys (SGLang 0.5.17 needs them in MP mode; we ignore them) and ours
+        keys: dict[str, Any] = {"mp_host": "127.0.0.1", "mp_port": 5556}
+        if hook == "enable_lmcache":
+            keys.update(chunk_size=CHUNK, max_local_cpu_size=0.25)
+        path.write_text(yaml.safe_dump(keys))
         kwargs.update(enable_lmcache=True, lmcache_config_file=str(path))
     elif hook == "hicache":
         assert variant is not None
@@ -138,7 +144,8 @@ def engine_kwargs(model_dir: str, hook: str, variant: str | None, work: str) -> 
     return kwargs
 
 
-# name, then steps: ("gen", prompt) | ("flush",) | ("sleep", seconds)
+# name, then steps: ("gen", prompt) | ("flush",) | ("sleep", seconds) | ("flip", entry) |
+# ("probe",); flip and probe are answered in SGLang's scheduler (sglang_tier_requests.py)
 STEPS: dict[str, list[tuple[Any, ...]]] = {
     # control: SGLang's own radix hits (no flush) must not change greedy output either
     "plain": [
@@ -154,6 +161,9 @@ STEPS: dict[str, list[tuple[Any, ...]]] = {
         ("gen", "a"),
         ("flush",),
         ("gen", "a_ext"),
+        ("flush",),
+        ("flip", FLIP_ENTRY),
+        ("gen", "a"),
     ],
     # HiCache backs host pages up on its own thread after the request: give it a moment
     "hicache": [
@@ -164,6 +174,17 @@ STEPS: dict[str, list[tuple[Any, ...]]] = {
         ("sleep", 2.0),
         ("flush",),
         ("gen", "a_ext"),
+        ("sleep", 2.0),
+        ("flush",),
+        ("flip", FLIP_ENTRY),
+        ("gen", "a"),
+    ],
+    # no lmcache keys at all: default chunk size (256), budget and checksum setting
+    "enable_lmcache_defaults": [
+        ("gen", "a"),
+        ("flush",),
+        ("gen", "a"),
+        ("probe",),
     ],
 }
 
@@ -193,6 +214,11 @@ def run_worker(spec_path: str) -> int:
     t0 = time.monotonic()
     engine = None
     try:
+        import sglang_tier_requests as tier_requests  # beside this file (the script's folder)
+
+        requests = Path(spec["work"]) / f"{spec['scenario']}.tier-requests"
+        requests.mkdir(parents=True, exist_ok=True)
+        os.environ[tier_requests.ENV] = str(requests)  # inherited by SGLang's spawned scheduler
         import sglang as sgl
 
         result["sglang"] = getattr(sgl, "__version__", "?")
@@ -224,6 +250,10 @@ def run_worker(spec_path: str) -> int:
                 result["runs"].append({"flush": True})
             elif step[0] == "sleep":
                 time.sleep(float(step[1]))
+            elif step[0] in ("flip", "probe"):
+                flip = int(step[1]) if step[0] == "flip" else None
+                report = tier_requests.ask(requests, len(result["runs"]), flip)
+                result["runs"].append({step[0]: report})
             dump()
     except BaseException as exc:
         import traceback
@@ -343,6 +373,11 @@ def gens(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in result["runs"] if "output_ids" in r]
 
 
+def tier_reports(result: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    """What the scheduler answered to the scenario's ``flip`` / ``probe`` steps."""
+    return [r[kind] for r in result["runs"] if kind in r]
+
+
 def from_lmcache(run: dict[str, Any]) -> int:
     """Tokens restored from outside SGLang's device cache (``host``: ``--enable-lmcache``'s
     ``LMCRadixCache``; ``storage``: HiCache's L3, i.e. lmcache)."""
@@ -402,7 +437,7 @@ def test_enable_lmcache_store_flush_hit(
     """``--enable-lmcache``: cold run stores; after ``flush_cache()`` the same prompt (and a
     longer one starting with it) loads its chunks from lmcache, with identical greedy output."""
     res = run_scenario("enable_lmcache", "enable_lmcache", None, model_dir, log_dir, work)
-    cold, hit, ext = gens(res)
+    cold, hit, ext, _flipped = gens(res)
     p = prompts()
     assert from_lmcache(cold) == 0, cold
     assert cold["output_ids"] == reference["a"]
@@ -420,7 +455,7 @@ def test_hicache_backend_store_flush_hit(
     after ``flush_cache()`` (device and host caches emptied) they are prefetched from lmcache,
     with identical greedy output."""
     res = run_scenario(f"hicache-{variant}", "hicache", variant, model_dir, log_dir, work)
-    cold, hit, ext = gens(res)
+    cold, hit, ext, _flipped = gens(res)
     p = prompts()
     assert from_lmcache(cold) == 0, cold
     assert cold["output_ids"] == reference["a"]
@@ -429,6 +464,64 @@ def test_hicache_backend_store_flush_hit(
     assert int(ext["details"].get("storage", 0)) >= min_hit(PAGE, p["a"]), ext
     assert ext["output_ids"] == reference["a_ext"]
 
+
+def test_enable_lmcache_flipped_byte_is_recomputed(
+    reference: dict[str, list[int]], model_dir: Path, log_dir: Path, work: Path
+) -> None:
+    """``--enable-lmcache`` on CUDA, default checksum setting: the damaged chunk carries the sum
+    the GPU computed at store, fails on the GPU at load and is never written; SGLang computes
+    from it on, so fewer tokens come from lmcache and the output is unchanged."""
+    res = run_scenario("enable_lmcache", "enable_lmcache", None, model_dir, log_dir, work)
+    _cold, hit, _ext, after = gens(res)
+    (flip,) = tier_reports(res, "flip")
+    assert flip["entries"] > FLIP_ENTRY and flip["flipped"] == FLIP_ENTRY, flip
+    assert flip["device_sum"] and not flip["host_sum"], flip  # verified on the GPU
+    assert flip["device_sums"] == flip["entries"] and flip["host_sums"] == 0, flip
+    assert after["output_ids"] == reference["a"]
+    assert from_lmcache(after) < from_lmcache(hit), (after, hit)
+
+
+@pytest.mark.parametrize("variant", list(HICACHE_VARIANTS))
+def test_hicache_flipped_byte_is_recomputed(
+    variant: str, reference: dict[str, list[int]], model_dir: Path, log_dir: Path, work: Path
+) -> None:
+    """HiCache (host pool, CPU): the damaged page carries a host checksum, fails when it is
+    leased and is never copied into the host pool; fewer tokens come from storage and the
+    output is unchanged."""
+    res = run_scenario(f"hicache-{variant}", "hicache", variant, model_dir, log_dir, work)
+    _cold, hit, _ext, after = gens(res)
+    (flip,) = tier_reports(res, "flip")
+    assert flip["entries"] > FLIP_ENTRY and flip["host_sum"] and not flip["device_sum"], flip
+    assert after["output_ids"] == reference["a"]
+    assert int(after["details"].get("storage", 0)) < int(hit["details"].get("storage", 0)), (
+        after,
+        hit,
+    )
+
+
+def test_enable_lmcache_default_settings_hit_verified(
+    reference: dict[str, list[int]], model_dir: Path, log_dir: Path, work: Path
+) -> None:
+    """``--enable-lmcache`` with no lmcache keys (chunk size 256, default budget): the prompt's
+    full chunks come back with identical output, and every chunk in the CPU tier carries the
+    sum the GPU computed at store (verification is on by default on CUDA)."""
+    res = run_scenario(
+        "enable_lmcache_defaults", "enable_lmcache_defaults", None, model_dir, log_dir, work
+    )
+    cold, hit = gens(res)
+    (probe,) = tier_reports(res, "probe")
+    assert from_lmcache(cold) == 0, cold
+    assert cold["output_ids"] == reference["a"]
+    assert from_lmcache(hit) >= min_hit(256, prompts()["a"]) > 0, hit
+    assert hit["output_ids"] == reference["a"]
+    assert probe["entries"] >= 2 and probe["device_sums"] == probe["entries"], probe
+    assert probe["host_sums"] == 0, probe
+
+
+if __name__ == "__mp_main__":  # a process SGLang spawned from the engine worker
+    import sglang_tier_requests
+
+    sglang_tier_requests.start_watcher()
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
