@@ -259,8 +259,7 @@ class LookupLeases:
         return (None, None) if held is None else (held.hit, held.looked_up)
 
     def release(self, req_ids: Iterable[str]) -> None:
-        """Release the hits of ``req_ids`` (those that hold one); e.g. preempted requests,
-        which may look up again when they resume."""
+        """Release the hits of ``req_ids`` (those that hold one)."""
         for req_id in req_ids:
             hit = self.pop(req_id)
             if hit is not None:

@@ -9,7 +9,7 @@ vLLM keeps one worker-side connector per worker process. Per step:
 2. :meth:`WorkerSide.bind` orders this step's writes of vLLM's pages after the reads of the
    saves queued so far. On CUDA the compute stream waits on the device for each save's gather;
    the host waits only until those gathers are enqueued. It then notes this step's saves and
-   releases the leases of preempted and stale requests.
+   releases stale leases (a preempted request keeps its lease until it resumes or ends).
 3. :meth:`WorkerSide.start_load_kv` loads each request's hit from the chunks this rank leased at
    lookup (:mod:`lmcache_vllm.worker.lookup_leases`). On CUDA the copies go on a load stream and
    the compute stream waits for them on the device. The host waits for them only in
@@ -248,7 +248,12 @@ class WorkerSide:
     def bind(self, meta: object) -> None:
         """Start of a step, before anything writes vLLM's pages: finish the previous step's
         layerwise work, wait until queued saves have copied their pages (vLLM may reuse freed or
-        preempted blocks from now on), release leases of preempted requests and stale ones."""
+        preempted blocks from now on), release stale leases.
+
+        A preempted request keeps the lease of its lookup: with asynchronous scheduling, it
+        may be looked up again (and leased) before this step binds, and releasing here would
+        drop that fresh lease. Its lease goes when it resumes (a new lookup replaces it, the
+        same one reuses it), ends, or times out."""
         self._bound = meta
         if self._layerwise is not None:
             self._layerwise.finish()
@@ -258,7 +263,6 @@ class WorkerSide:
             return
         if not self.config.use_layerwise:
             self._batched.note(meta)
-        self._leases.release(meta.preempted)
         expired = self._leases.expire()
         if expired:
             with self._counters.lock:
