@@ -141,6 +141,37 @@ def test_lookup_and_lease_holds_chunks_against_eviction() -> None:
     assert rig.engine.lookup(_prompt(0, 2)[0]) == 0
 
 
+def test_a_held_hit_waits_for_its_device_copy_before_handing_leases_back() -> None:
+    """A device copy started at lookup reads the leased buffers: ``truncate`` and ``release``
+    call ``copy_done`` first, and hand the leases back even when it raises."""
+    tier = _tier(4)
+    rig = Rig(tier)
+    assert rig.store(0, 3) == 3 * CS
+    hit = rig.engine.lookup_and_lease(_prompt(0, 3)[0])
+    leases = [hit._leases[key] for key in hit.keys]
+    events: list[list[bool]] = []
+
+    def done() -> None:
+        events.append([lease.released for lease in leases])
+
+    hit.copy_done = done
+    hit.truncate(2, 2 * CS)
+    assert events == [[False, False, False]]  # chunk 2's lease went only after the wait
+    assert [lease.released for lease in leases] == [False, False, True]
+
+    def broken() -> None:
+        events.append([lease.released for lease in leases])
+        raise RuntimeError("device lost")
+
+    hit.copy_done = broken
+    with pytest.raises(RuntimeError, match="device lost"):
+        hit.release()
+    assert events[-1] == [False, False, True] and hit.copy_done is None
+    assert hit.released and all(lease.released for lease in leases)
+    assert rig.store(1, 3) == 3 * CS and rig.store(2, 1) == CS  # every chunk can be evicted
+    assert rig.engine.lookup(_prompt(0, 3)[0]) == 0
+
+
 def test_held_chunks_are_not_hashed_again() -> None:
     tier = _tier(8)
     rig = Rig(tier)

@@ -45,7 +45,7 @@ import torch
 from lmcache.devices import get_backend, register_backend
 from lmcache.devices import registry as device_registry
 from lmcache.testing.canaries import watch_host_memory
-from lmcache.testing.recording_backend import InFlight, RecordingBackend
+from lmcache.testing.recording_backend import RecordingBackend
 from lmcache.tiers import reset_process_cpu_tiers
 from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata
 from lmcache_vllm.lookup_sockets import engine_key
@@ -57,13 +57,6 @@ from lmcache_vllm.worker.side import WorkerSide
 
 POISON = -1000.0  # never a KV value (those are integers in [-64, 63])
 VOCAB = 50_000
-
-HOLD_PREEMPTED = True
-"""A preempted request is not scheduled again before the worker has run the step that preempted
-it. Without this hold, asynchronous scheduling can look the request up again (leasing its hit)
-before the worker binds that step, whose ``bind`` then releases the fresh lease as the preempted
-request's: the next step loads without it, and chunks evicted meanwhile become load errors. The
-hold keeps the run to the timing that works until that is fixed (``False`` reproduces it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +94,6 @@ class Req:
     computed: int = 0
     seen: bool = False  # scheduled before: it comes back as a resumed request
     last_step: int = -1  # the step that ends it (its last token sampled)
-    held_back: int = -1  # preempted in this step (see HOLD_PREEMPTED)
     state: str = "waiting"  # running, finishing, ended
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -307,7 +299,6 @@ class Stress:
         self.free[:0] = r.blocks
         r.blocks, r.computed, r.state = [], 0, "waiting"
         r.request.num_computed_tokens = 0
-        r.held_back = plan.step if HOLD_PREEMPTED else -1
         self.waiting.appendleft(r)
         plan.preempted.add(r.rid)
         self.counts["preempted"] += 1
@@ -317,8 +308,6 @@ class Stress:
         for r in list(self.waiting):
             if plan.budget <= 0:
                 return
-            if r.held_back > self.done_step:
-                continue  # see HOLD_PREEMPTED
             hit = self.scheduler.get_num_new_matched_tokens(r.request, 0)
             if hit is None:
                 continue  # its lookup is in flight: asked again next step
@@ -449,13 +438,6 @@ class Stress:
 
         server._lookup = lookup
 
-    def benign(self, copy: InFlight) -> bool:
-        """A hit's copy made at lookup that no load took (its request ended or was preempted
-        first, or vLLM did not use the hit): what it read is dropped unused."""
-        label = copy.label
-        with self._lock:
-            return isinstance(label, tuple) and label[0] == "lookup" and label not in self.consumed
-
     # -- the run -------------------------------------------------------------------------------
 
     def run(self, timeout: float) -> None:
@@ -534,7 +516,7 @@ def test_worker_stress(kind: str, layerwise: bool, monkeypatch: pytest.MonkeyPat
     size = CPU if kind == "cpu" else GPU
     with _device(kind, monkeypatch) as device, _errors(monkeypatch) as logged:
         stress = Stress(size, device, layerwise, seed=17)
-        with watch_host_memory(stress.backend, stress.benign) as canaries:
+        with watch_host_memory(stress.backend) as canaries:
             try:
                 # on the CPU a busy copy thread: saves read the pages late (a GPU is late itself)
                 with slow_save_copies(0.002) if kind == "cpu" else contextlib.nullcontext():

@@ -14,12 +14,17 @@ so a scheduler can promise the engine ``num_tokens`` cached tokens and load exac
 A held lease stays valid bytes for its key even if the tier entry is removed or replaced
 meanwhile (keys name their content), so :meth:`~lmcache.cache_engine.LMCacheEngine.retrieve`
 uses it regardless.
+
+A connector may start a device copy of the held chunks right after the lookup
+(:attr:`HeldHit.prefetched`). Its DMA reads the leased host buffers, so the hit hands a lease
+back only once :attr:`HeldHit.copy_done` says that copy has finished: a buffer handed back may
+be filled by the next store at once.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 import torch
@@ -51,6 +56,9 @@ class HeldHit:
         self.prefetched: object | None = None
         """Something derived from the held chunks that lives and dies with the hit (e.g. a
         connector's device copy of them, made right after the lookup); dropped at release."""
+        self.copy_done: Callable[[], None] | None = None
+        """Waits until every device copy that reads the held chunks (:attr:`prefetched`'s) has
+        finished; :meth:`release` and :meth:`truncate` call it before handing leases back."""
 
     @property
     def released(self) -> bool:
@@ -120,8 +128,13 @@ class HeldHit:
             dropped = [self._leases.pop(key) for key in self.keys[num_chunks:]]
             self.keys = self.keys[:num_chunks]
             self.num_tokens = num_tokens
-        for lease in dropped:
-            lease.release()
+            copy_done = self.copy_done if dropped else None
+        try:
+            if copy_done is not None:
+                copy_done()
+        finally:
+            for lease in dropped:
+                lease.release()
 
     def release(self) -> None:
         """Release every held lease (idempotent); the chunks become evictable again."""
@@ -132,8 +145,13 @@ class HeldHit:
             leases = list(self._leases.values())
             self._leases.clear()
             self.prefetched = None
-        for lease in leases:
-            lease.release()
+            copy_done, self.copy_done = self.copy_done, None
+        try:
+            if copy_done is not None:
+                copy_done()
+        finally:
+            for lease in leases:
+                lease.release()
 
     def __enter__(self) -> HeldHit:
         return self

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -129,6 +130,9 @@ class HitPrefetcher:
             return
         weakref.finalize(done.staging, self._freed, nbytes)
         hit.prefetched = done
+        # the copy reads the leased host buffers: the hit hands them back only once it is done,
+        # even when no load takes the copy (the request ended, or was cut at verification)
+        hit.copy_done = partial(connector.backend.event_synchronize, done.event)
 
     def _freed(self, nbytes: int) -> None:
         with self._lock:
