@@ -70,17 +70,17 @@ def _reference(kind: str, device: str, seed: int, chunks, spec):
 def test_a_hit_verified_at_lookup_is_not_summed_again(kind, device, how, sums_computed) -> None:
     md, src = _checked_conn(kind, device, 41)
     chunks = _stored(src, chunk_buffers(src, RANGES, "adjacent"), _slots(N, 42, "cpu"))
-    sums_computed.clear()  # the store's
+    slots = _slots(N, 44, "cpu")
+    want = _reference(kind, device, 43, chunks, TransferSpec(slots))
     _, dst = _checked_conn(kind, device, 43)
     _streams(dst, device)
-    sums_computed.clear()  # a CUDA connector's warm-up
+    sums_computed.clear()  # the store's, and the CUDA connectors' warm-ups
     stream = dst.backend.new_stream(dst.device)
     staged = dst.prefetch(chunks, stream)
     assert staged is not None
     assert dst.verify_chunks(chunks, stream, staged) == [True] * len(chunks)
     assert sums_computed == [len(chunks)]  # the lookup's one check
-    spec = TransferSpec(_slots(N, 44, "cpu"), staged=staged)
-    want = _reference(kind, device, 43, chunks, spec)
+    spec = TransferSpec(slots, staged=staged)
     # the host bytes change after the lookup: the load moves the device copy it verified
     chunks[1].buffer.reshape(-1).view(torch.uint8)[3] ^= 0x40
     if how == "all":
