@@ -1,5 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A tiny random Llama and its word-level tokenizer, built locally for tests and benchmarks.
+"""Tiny random models and their word-level tokenizer, built locally for tests and benchmarks.
+
+:func:`build_tiny_llama` builds a dense Llama; :func:`build_tiny_gemma3` a Gemma-3 text model
+(sliding-window and full-attention layers) and :func:`build_tiny_nemotron_h` a Nemotron-H
+(Mamba-2, attention and MLP layers), for the hybrid KV caches of engines that serve them.
 
 No model can be downloaded where lmcache is tested, so tests build one: a `transformers.LlamaForCausalLM`
 with random weights (bfloat16 safetensors), a word-level tokenizer whose vocabulary is ``<unk> <s> </s>
@@ -23,13 +27,15 @@ import json
 import os
 import pathlib
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
     "FIRST_WORD_ID",
     "SPECIAL_TOKENS",
+    "build_tiny_gemma3",
     "build_tiny_llama",
+    "build_tiny_nemotron_h",
     "make_prompt",
 ]
 
@@ -41,6 +47,12 @@ FIRST_WORD_ID: int = len(SPECIAL_TOKENS)
 _MARKER = ".lmcache_tiny_model.json"
 _LOCK = ".lmcache_tiny_model.lock"
 _FORMAT_VERSION = 1
+_TOKEN_IDS: dict[str, Any] = {
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 3,
+    "dtype": "bfloat16",
+}
 
 
 @contextlib.contextmanager
@@ -108,15 +120,10 @@ def build_tiny_llama(
     Engines restrict the geometry they serve: for vLLM's CPU attention ``head_dim`` must be one it
     supports (32, 64, 80, 96, 112, 128, ...).
     """
-    if vocab_size <= len(SPECIAL_TOKENS):
-        raise ValueError(
-            f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}"
-        )
     if num_heads % num_kv_heads != 0:
         raise ValueError(
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
-    out = pathlib.Path(dir).absolute()
     params: dict[str, Any] = {
         "format": _FORMAT_VERSION,
         "hidden_size": hidden_size,
@@ -129,18 +136,9 @@ def build_tiny_llama(
         "max_position_embeddings": max_position_embeddings,
         "seed": seed,
     }
-    marker = out / _MARKER
-    if _read_marker(marker) == params:
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    with _locked(out / _LOCK):
-        if _read_marker(marker) == params:  # another process built it while we waited
-            return out
-        marker.unlink(missing_ok=True)
 
-        import torch
-        from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-        from transformers.utils import logging as hf_logging
+    def model() -> Any:
+        from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(
             vocab_size=vocab_size,
@@ -151,26 +149,185 @@ def build_tiny_llama(
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
             max_position_embeddings=max_position_embeddings,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=3,
             tie_word_embeddings=False,
-            dtype="bfloat16",
+            **_TOKEN_IDS,
         )
+        return LlamaForCausalLM(cfg)
+
+    return _build(dir, params, model, seed, vocab_size, max_position_embeddings)
+
+
+def build_tiny_gemma3(
+    dir: str | os.PathLike[str],
+    *,
+    sliding_window: int = 64,
+    layer_types: tuple[str, ...] = ("sliding_attention",) * 5 + ("full_attention",),
+    hidden_size: int = 256,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    intermediate_size: int = 512,
+    vocab_size: int = 1000,
+    max_position_embeddings: int = 4096,
+    seed: int = 0,
+) -> pathlib.Path:
+    """Build (or reuse) a random Gemma-3 text model (``Gemma3ForCausalLM``) in ``dir``.
+
+    ``layer_types`` gives each layer's attention, ``"sliding_attention"`` (a window of
+    ``sliding_window`` tokens) or ``"full_attention"``; Gemma-3 has 5 sliding layers per full
+    one. Files, seeding and reuse as for :func:`build_tiny_llama`.
+    """
+    params: dict[str, Any] = {
+        "format": _FORMAT_VERSION,
+        "arch": "gemma3_text",
+        "sliding_window": sliding_window,
+        "layer_types": list(layer_types),
+        "hidden_size": hidden_size,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate_size,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "seed": seed,
+    }
+
+    def model() -> Any:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        cfg = Gemma3TextConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=len(layer_types),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            sliding_window=sliding_window,
+            layer_types=list(layer_types),
+            max_position_embeddings=max_position_embeddings,
+            **_TOKEN_IDS,
+        )
+        return Gemma3ForCausalLM(cfg)
+
+    return _build(dir, params, model, seed, vocab_size, max_position_embeddings)
+
+
+def build_tiny_nemotron_h(
+    dir: str | os.PathLike[str],
+    *,
+    layers_block_type: tuple[str, ...] = (
+        "linear_attention",
+        "full_attention",
+        "mlp",
+        "linear_attention",
+    ),
+    hidden_size: int = 256,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    mamba_num_heads: int = 8,
+    mamba_head_dim: int = 32,
+    ssm_state_size: int = 16,
+    intermediate_size: int = 512,
+    vocab_size: int = 1000,
+    max_position_embeddings: int = 4096,
+    seed: int = 0,
+) -> pathlib.Path:
+    """Build (or reuse) a random Nemotron-H model (``NemotronHForCausalLM``) in ``dir``.
+
+    ``layers_block_type`` gives each layer's kind: ``"linear_attention"`` (a Mamba-2 mixer with
+    ``mamba_num_heads`` heads of ``mamba_head_dim``, one group, state size
+    ``ssm_state_size``), ``"full_attention"`` or ``"mlp"``. Files, seeding and reuse as for
+    :func:`build_tiny_llama`. vLLM 0.32's CPU build serves it only with its prefix cache off.
+    """
+    params: dict[str, Any] = {
+        "format": _FORMAT_VERSION,
+        "arch": "nemotron_h",
+        "layers_block_type": list(layers_block_type),
+        "hidden_size": hidden_size,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "mamba_num_heads": mamba_num_heads,
+        "mamba_head_dim": mamba_head_dim,
+        "ssm_state_size": ssm_state_size,
+        "intermediate_size": intermediate_size,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "seed": seed,
+    }
+
+    def model() -> Any:
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+
+        cfg = NemotronHConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            layers_block_type=list(layers_block_type),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            mamba_num_heads=mamba_num_heads,
+            mamba_head_dim=mamba_head_dim,
+            n_groups=1,
+            ssm_state_size=ssm_state_size,
+            conv_kernel=4,
+            expand=1,
+            chunk_size=64,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=False,
+            **_TOKEN_IDS,
+        )
+        return NemotronHForCausalLM(cfg)
+
+    return _build(dir, params, model, seed, vocab_size, max_position_embeddings)
+
+
+def _build(
+    dir: str | os.PathLike[str],
+    params: dict[str, Any],
+    model: Callable[[], Any],
+    seed: int,
+    vocab_size: int,
+    max_position_embeddings: int,
+) -> pathlib.Path:
+    """Write ``model()`` (weights drawn from ``seed``, stored bf16), a generation config and
+    the tokenizer into ``dir``, unless its marker records ``params`` already."""
+    if vocab_size <= len(SPECIAL_TOKENS):
+        raise ValueError(
+            f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}"
+        )
+    out = pathlib.Path(dir).absolute()
+    marker = out / _MARKER
+    if _read_marker(marker) == params:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    with _locked(out / _LOCK):
+        if _read_marker(marker) == params:  # another process built it while we waited
+            return out
+        marker.unlink(missing_ok=True)
+
+        import torch
+        from transformers import GenerationConfig
+        from transformers.utils import logging as hf_logging
+
         # Draw the weights on the CPU in float32 from a private generator state, then store bf16.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = LlamaForCausalLM(cfg)
-        model = model.to(torch.bfloat16)
-        model.config.dtype = torch.bfloat16
+            built = model()
+        built = built.to(torch.bfloat16)
+        built.config.dtype = torch.bfloat16
         progress_was_on = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:
-            model.save_pretrained(str(out), safe_serialization=True)
+            built.save_pretrained(str(out), safe_serialization=True)
         finally:
             if progress_was_on:
                 hf_logging.enable_progress_bar()
-        del model
+        del built
 
         GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3).save_pretrained(str(out))
         _build_tokenizer(out, vocab_size, max_position_embeddings)

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Test helpers for lmcache-vllm: a tiny random Llama built locally, prompts, CPU engine settings
+"""Test helpers for lmcache-vllm: tiny random models built locally (a Llama; a Gemma-3 and a
+Nemotron-H for hybrid KV caches), prompts, CPU engine settings
 and fault injection (:func:`slow_save_copies`).
 
 Importing this package never imports vllm (only ``transformers``/``tokenizers``/``torch`` when a
@@ -13,7 +14,9 @@ from lmcache_vllm.testing.tiny_lora import build_random_lora
 from lmcache_vllm.testing.tiny_model import (
     FIRST_WORD_ID,
     SPECIAL_TOKENS,
+    build_tiny_gemma3,
     build_tiny_llama,
+    build_tiny_nemotron_h,
     make_prompt,
     shutdown_llm,
     vllm_engine_kwargs,
@@ -24,7 +27,9 @@ __all__ = [
     "FIRST_WORD_ID",
     "SPECIAL_TOKENS",
     "build_random_lora",
+    "build_tiny_gemma3",
     "build_tiny_llama",
+    "build_tiny_nemotron_h",
     "connector_vllm_config",
     "make_prompt",
     "shutdown_llm",

@@ -15,12 +15,21 @@ import contextlib
 import os
 from typing import Any
 
-from lmcache.testing.tiny_model import FIRST_WORD_ID, SPECIAL_TOKENS, build_tiny_llama, make_prompt
+from lmcache.testing.tiny_model import (
+    FIRST_WORD_ID,
+    SPECIAL_TOKENS,
+    build_tiny_gemma3,
+    build_tiny_llama,
+    build_tiny_nemotron_h,
+    make_prompt,
+)
 
 __all__ = [
     "FIRST_WORD_ID",
     "SPECIAL_TOKENS",
+    "build_tiny_gemma3",
     "build_tiny_llama",
+    "build_tiny_nemotron_h",
     "make_prompt",
     "vllm_engine_kwargs",
 ]
