@@ -8,7 +8,8 @@ Use either::
                            "kv_role": "kv_both"}'
 
 or, with the ``vllm.general_plugins`` entry point installed (:mod:`lmcache_vllm.plugin`),
-``{"kv_connector": "LMCacheConnector", "kv_role": "kv_both"}``. vLLM's in-tree name
+``{"kv_connector": "LMCacheConnector", "kv_role": "kv_both"}``. Both support vLLM's hybrid KV
+cache manager (``SupportsHMA``: models with sliding-window layers keep it on). vLLM's in-tree name
 ``LMCacheConnectorV1`` (without a module path) reaches the same implementation through
 ``lmcache.integration.vllm.vllm_v1_adapter``. This class is a thin delegate to
 :class:`lmcache_vllm.vllm_v1_adapter.LMCacheConnectorV1Impl`; unlike vLLM's in-tree wrapper it
@@ -25,6 +26,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+try:  # vLLM's marker of connectors that take its hybrid KV cache manager's per-group blocks
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # pragma: no cover - a vLLM without the hybrid manager's connector API
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        pass
+
 
 from lmcache_vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
 
@@ -43,8 +52,13 @@ if TYPE_CHECKING:
 __all__ = ["LMCacheConnector", "LMCacheConnectorV1"]
 
 
-class LMCacheConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
-    """vLLM KV connector backed by lmcache (see the module docstring)."""
+class LMCacheConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """vLLM KV connector backed by lmcache (see the module docstring).
+
+    It implements vLLM's ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager on: with a
+    sliding-window model each KV cache group keeps only the blocks its layers attend to
+    (:mod:`lmcache_vllm.kv_groups`).
+    """
 
     _lmcache_native = True  # the implementation needs no hooks attached (lmcache_vllm.in_tree)
 
@@ -143,6 +157,11 @@ class LMCacheConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._impl.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._impl.request_finished_all_groups(request, block_ids)
 
     def reset_cache(self) -> bool | None:
         return self._impl.reset_cache()

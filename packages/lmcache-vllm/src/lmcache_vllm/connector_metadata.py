@@ -7,6 +7,7 @@ the scheduler's per-request tracker and the worker's stats counters.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -65,6 +66,11 @@ class ReqMeta:
         extra_keys: Per-chunk key material (multimodal item hashes), chunk index -> bytes.
         load: What to load this step, if anything.
         save: What to save this step, if anything.
+        group_block_ids: With several KV cache groups (vLLM's hybrid manager), the block ids of
+            every group (``block_ids`` is group 0's); ``None`` with one group.
+        computed_start: Tokens the request had computed when this step was scheduled (with
+            several groups: where vLLM frees a sliding window's blocks, see
+            :func:`lmcache_vllm.kv_groups.group_save`).
     """
 
     req_id: str
@@ -74,6 +80,8 @@ class ReqMeta:
     extra_keys: dict[int, bytes] = field(default_factory=dict)
     load: LoadSpec | None = None
     save: SaveSpec | None = None
+    group_block_ids: list[list[int]] | None = None
+    computed_start: int = 0
 
 
 @dataclass
@@ -105,6 +113,23 @@ class Tracker:
     salt: str
     num_saved: int  # tokens known stored (chunk aligned)
     extra_keys: dict[int, bytes] = field(default_factory=dict)
+    group_block_ids: list[list[int]] | None = None  # every group's, with several groups
+
+    def take_blocks(self, new_blocks: Sequence[Sequence[int]] | None, resumed: bool) -> None:
+        """A step's new blocks per group: appended, or, for a resumed (preempted) request,
+        its whole new block table."""
+        if resumed:
+            self.block_ids = list(new_blocks[0]) if new_blocks else []
+        elif new_blocks:
+            self.block_ids.extend(new_blocks[0])
+        per_group = self.group_block_ids
+        if per_group is None:
+            return
+        if resumed:
+            self.group_block_ids = [list(b) for b in new_blocks] if new_blocks else []
+        elif new_blocks:
+            for blocks, new_ids in zip(per_group, new_blocks, strict=True):
+                blocks.extend(new_ids)
 
 
 ENGINE_COUNTERS: tuple[str, ...] = (

@@ -16,6 +16,13 @@ It does not forward everything, in vLLM 0.26 and 0.32 alike:
 The wrapper also picks its CUDA-graph mode from ``extra_config["use_layerwise"]`` alone.
 It misses a layerwise mode set by ``lmcache.use_layerwise``, ``LMCACHE_USE_LAYERWISE`` or the
 YAML file.
+
+The wrapper is no ``SupportsHMA`` connector, and no hook of ours can make it one: vLLM turns its
+hybrid KV cache manager off for it (sliding-window layers then keep the whole context), refuses
+``--no-disable-hybrid-kv-cache-manager`` with it, and cannot start Mamba hybrids with it.
+``kv_connector`` ``LMCacheConnector`` (or the module path ``lmcache_vllm.connector``) selects our
+class, which keeps the manager on (:mod:`lmcache_vllm.kv_groups`); the adapter's error for
+several groups under the wrapper names it.
 This module fills these gaps:
 
 - :func:`adopt_in_tree_wrapper` binds the per-instance methods on the wrapper object that built

@@ -105,6 +105,9 @@ class KVCacheGroup(Protocol):
     @property
     def kv_cache_spec(self) -> object: ...
 
+    @property
+    def layer_names(self) -> Sequence[str]: ...
+
 
 class KVCacheConfig(Protocol):
     """vLLM's ``vllm.v1.kv_cache_interface.KVCacheConfig``, as the adapter checks it."""

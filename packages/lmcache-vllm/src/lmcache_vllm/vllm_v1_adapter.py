@@ -9,6 +9,8 @@ vLLM's in-tree ``LMCacheConnectorV1`` (imported through
 ``lmcache.integration.vllm.vllm_v1_adapter``) and our :mod:`lmcache_vllm.connector`.
 It holds a :class:`~lmcache_vllm.scheduler.side.SchedulerSide` or a
 :class:`~lmcache_vllm.worker.side.WorkerSide`, whose module docstrings walk through each step.
+With several KV cache groups (vLLM's hybrid KV cache manager) the worker holds a
+:class:`~lmcache_vllm.worker.grouped.GroupedWorkerSide`, one ``WorkerSide`` per group.
 The two sides talk through the plain data of :mod:`lmcache_vllm.connector_metadata`.
 
 vLLM's in-tree wrapper forwards neither ``reset_cache``, nor the connector stats, nor
@@ -33,10 +35,12 @@ from lmcache_vllm.connector_metadata import (
     WorkerStats,
 )
 from lmcache_vllm.extra_config import extra_config_overrides, load_lmcache_config
+from lmcache_vllm.kv_groups import kv_groups
 from lmcache_vllm.lookup_sockets import engine_key
 from lmcache_vllm.scheduler.side import SchedulerSide
 from lmcache_vllm.utils import calculate_local_rank_and_world_size, get_vllm_torch_dev
 from lmcache_vllm.vllm_types import SchedulerOutput, SchedulerRequest, VllmConfig
+from lmcache_vllm.worker.grouped import GroupedWorkerSide
 from lmcache_vllm.worker.kv_registration import check_kv_cache_groups
 from lmcache_vllm.worker.side import WorkerSide
 
@@ -116,17 +120,34 @@ class LMCacheConnectorV1Impl:
         self._parent = parent
         self._role_name = getattr(role, "name", str(role))
         self.is_scheduler = self._role_name == "SCHEDULER"
-        check_kv_cache_groups(getattr(parent, "_kv_cache_config", None))
+        kv_cache_config = getattr(parent, "_kv_cache_config", None)
+        # several groups only through our own class, which implements vLLM's SupportsHMA
+        native = parent is None or getattr(type(parent), "_lmcache_native", False)
+        check_kv_cache_groups(kv_cache_config, supports_hma=native)
         self.config = load_lmcache_config(vllm_config)
         self.engine_key = engine_key(vllm_config)
         pc = vllm_config.parallel_config
         world = int(pc.tensor_parallel_size) * int(getattr(pc, "pipeline_parallel_size", 1))
         self.rank = int(getattr(pc, "rank", 0))
         self.scheduler: SchedulerSide | None = None
-        self.worker: WorkerSide | None = None
+        self.worker: WorkerSide | GroupedWorkerSide | None = None
+        groups = kv_groups(kv_cache_config, int(vllm_config.cache_config.block_size))
         if self.is_scheduler:
             _, local_world = calculate_local_rank_and_world_size(vllm_config)
-            self.scheduler = SchedulerSide(vllm_config, self.config, world, local_world)
+            self.scheduler = SchedulerSide(
+                vllm_config, self.config, world, local_world, kv_cache_config
+            )
+        elif len(groups) > 1:  # vLLM's hybrid KV cache manager: one stream per group
+            self.worker = GroupedWorkerSide(
+                vllm_config,
+                self.config,
+                self.engine_key,
+                world,
+                self.rank,
+                self._metadata,
+                _add_live,
+                groups,
+            )
         else:
             self.worker = WorkerSide(
                 vllm_config,
@@ -158,7 +179,7 @@ class LMCacheConnectorV1Impl:
             raise RuntimeError("lmcache: a scheduler-side method was called on a worker connector")
         return self.scheduler
 
-    def _worker_side(self) -> WorkerSide:
+    def _worker_side(self) -> WorkerSide | GroupedWorkerSide:
         if self.worker is None:
             raise RuntimeError("lmcache: a worker-side method was called on a scheduler connector")
         return self.worker
@@ -191,6 +212,14 @@ class LMCacheConnectorV1Impl:
         copying before any later step can rewrite them (see
         :mod:`lmcache_vllm.worker.save_queue`)."""
         self._scheduler_side().request_finished(request, block_ids)
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: SchedulerRequest, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """:meth:`request_finished` with the blocks of every KV cache group (vLLM's
+        ``SupportsHMA``)."""
+        self._scheduler_side().request_finished_all_groups(request, block_ids)
         return False, None
 
     def get_kv_events(self) -> list[Any]:

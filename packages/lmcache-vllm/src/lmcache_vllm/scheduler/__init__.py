@@ -4,6 +4,7 @@
 It runs in vLLM's engine-core process, on the scheduler's thread.
 Lookups that may read a disk or remote tier run on a small thread pool of their own.
 :mod:`~lmcache_vllm.scheduler.side` holds ``SchedulerSide``, the object vLLM's scheduler calls.
+:mod:`~lmcache_vllm.scheduler.guard` turns each failure in it into a miss, counted and logged once.
 :mod:`~lmcache_vllm.scheduler.request_keys` says what of a request, besides its tokens, enters
 the chunk keys.
 The lookup client (:mod:`~lmcache_vllm.scheduler.lookup_client`) asks every worker rank how many

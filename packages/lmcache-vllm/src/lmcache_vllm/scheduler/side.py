@@ -34,9 +34,8 @@ counted in ``lookup_timeouts``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import TypeVar
 
 from lmcache.config import LMCacheConfig
 from lmcache_vllm.connector_metadata import (
@@ -46,8 +45,15 @@ from lmcache_vllm.connector_metadata import (
     SaveSpec,
     Tracker,
 )
+from lmcache_vllm.kv_groups import (
+    UNSUPPORTED_GROUPS,
+    hit_alignment,
+    kv_groups,
+    unsupported_kinds,
+)
 from lmcache_vllm.lookup_sockets import engine_key
 from lmcache_vllm.lookup_wire import LookupQuery
+from lmcache_vllm.scheduler.guard import GuardedHooks
 from lmcache_vllm.scheduler.prefix_lookups import PrefixLookups, runs_off_thread
 from lmcache_vllm.scheduler.request_keys import (
     RequestKey,
@@ -67,10 +73,8 @@ __all__ = ["SchedulerSide"]
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
 
-
-class SchedulerSide:
+class SchedulerSide(GuardedHooks):
     """Scheduler-side state of the lmcache connector (see the module docstring).
 
     Args:
@@ -79,6 +83,9 @@ class SchedulerSide:
         world_size: Worker ranks holding shards (tensor x pipeline parallel).
         local_world_size: Ranks on this node; when smaller than ``world_size`` lookups cannot
             reach every rank and nothing is loaded (said once at start-up).
+        kv_cache_config: vLLM's ``KVCacheConfig``: with several groups (the hybrid manager),
+            every group's blocks are tracked, and hits end where :mod:`lmcache_vllm.kv_groups`
+            says; a group lmcache cannot store turns the connector off for the engine.
     """
 
     def __init__(
@@ -87,7 +94,9 @@ class SchedulerSide:
         config: LMCacheConfig,
         world_size: int,
         local_world_size: int,
+        kv_cache_config: object = None,
     ) -> None:
+        super().__init__()
         ktc = vllm_config.kv_transfer_config
         self.kv_role: str = getattr(ktc, "kv_role", None) or "kv_both"
         self.config = config
@@ -105,11 +114,17 @@ class SchedulerSide:
         self._keys: dict[str, RequestKey] = {}
         self._preempted: list[str] = []
         self._finished_saves: list[ReqMeta] = []  # sent with the next step's metadata
-        self._failures_logged: set[tuple[str, str]] = set()
-        self.stats = {"scheduler_failures": 0, "skipped_requests": 0, "lookup_timeouts": 0}
         self._client_timeouts = 0  # the lookup client's timeouts already reported
         self._late_lookups = 0  # the lookups' late misses already reported
         self.loads_enabled = self.kv_role != "kv_producer"
+        groups = kv_groups(kv_cache_config, self.block_size)
+        self.multi_group = len(groups) > 1
+        self.hit_align = hit_alignment(groups, self.chunk_size, self.block_size)
+        unsupported = unsupported_kinds(groups) if self.multi_group else []
+        self.inert = bool(unsupported)  # lmcache stores and loads nothing for this engine
+        if self.inert:
+            self.loads_enabled = False
+            logger.warning(UNSUPPORTED_GROUPS, ", ".join(unsupported))
         if world_size > local_world_size:
             self.loads_enabled = False
             logger.warning(
@@ -121,34 +136,8 @@ class SchedulerSide:
                 local_world_size,
             )
 
-    # ------------------------------------------------------------------ failures
-
-    def _guard(self, where: str, request_id: str, default: _T, fn: Callable[[], _T]) -> _T:
-        """Run ``fn``; on any exception :meth:`_failed` and return ``default``."""
-        try:
-            return fn()
-        except Exception as exc:
-            self._failed(where, request_id, exc)
-            return default
-
-    def _failed(self, where: str, request_id: str, exc: Exception) -> None:
-        """Count a failure, log it once per (where, type), forget the request's load."""
-        self.stats["scheduler_failures"] += 1
+    def _on_failure(self, request_id: str) -> None:
         self._load_specs.pop(request_id, None)
-        kind = (where, type(exc).__name__)
-        if kind in self._failures_logged:
-            return
-        self._failures_logged.add(kind)
-        logger.warning(
-            "lmcache: %s failed for request %s (%r); treating it as a miss. Further %s errors "
-            "in %s are counted, not logged.",
-            where,
-            request_id,
-            exc,
-            kind[1],
-            where,
-            exc_info=exc,
-        )
 
     def _key(self, request: SchedulerRequest) -> RequestKey:
         rid = str(request.request_id)
@@ -203,7 +192,7 @@ class SchedulerSide:
         # vLLM must compute >= 1 token, and a hit ends on a block boundary like vLLM's own
         # prefix-cache hits: some CPU attention kernels (AMX) round differently when a prefill
         # starts mid-block, so a mid-block hit could change greedy output versus no cache.
-        usable = min(hit, int(request.num_tokens) - 1) // self.block_size * self.block_size
+        usable = min(hit, int(request.num_tokens) - 1) // self.hit_align * self.hit_align
         need = usable - num_computed_tokens
         if need <= 0:
             return 0
@@ -276,7 +265,7 @@ class SchedulerSide:
         request = self._requests.get(rid)
         load = self._load_specs.pop(rid, None)
         key = self._key(request) if request is not None else RequestKey(skip_reason="unknown")
-        if key.skip_reason is not None or request is None:
+        if key.skip_reason is not None or request is None or self.inert:
             return
         hit_saved = 0
         if load is not None:
@@ -288,10 +277,13 @@ class SchedulerSide:
             salt=key.salt,
             num_saved=hit_saved,
             extra_keys=key.extra_keys,
+            group_block_ids=[list(b) for b in new.block_ids] if self.multi_group else None,
         )
         self._trackers[rid] = tracker
-        computed_end = int(new.num_computed_tokens) + int(num_scheduled.get(new.req_id, 0))
-        self._add(meta, tracker, prompt, computed_end, load, request)
+        start = int(new.num_computed_tokens)
+        self._add(
+            meta, tracker, prompt, start, start + int(num_scheduled.get(rid, 0)), load, request
+        )
 
     def _cached(
         self,
@@ -306,15 +298,12 @@ class SchedulerSide:
         request = self._requests.get(rid)
         if tracker is None or request is None:
             return
-        new_blocks = cached.new_block_ids[i]
         resumed = req_id in (getattr(cached, "resumed_req_ids", None) or set())
-        if resumed:
-            tracker.block_ids = list(new_blocks[0]) if new_blocks else []
-        elif new_blocks:
-            tracker.block_ids.extend(new_blocks[0])
+        tracker.take_blocks(cached.new_block_ids[i], resumed)
         load = self._load_specs.pop(rid, None) if resumed else None
-        computed_end = int(cached.num_computed_tokens[i]) + int(num_scheduled.get(req_id, 0))
-        self._add(meta, tracker, None, computed_end, load, request)
+        start = int(cached.num_computed_tokens[i])
+        computed_end = start + int(num_scheduled.get(req_id, 0))
+        self._add(meta, tracker, None, start, computed_end, load, request)
 
     def _save_spec(self, tracker: Tracker, computed_end: int) -> SaveSpec | None:
         if self.kv_role == "kv_consumer":
@@ -338,6 +327,7 @@ class SchedulerSide:
         meta: LMCacheConnectorMetadata,
         tracker: Tracker,
         prompt: list[int] | None,
+        computed_start: int,
         computed_end: int,
         load: LoadSpec | None,
         request: SchedulerRequest,
@@ -369,6 +359,8 @@ class SchedulerSide:
                 extra_keys=chunk_extra_keys(tracker.extra_keys, len(tokens), self.chunk_size),
                 load=load,
                 save=save,
+                group_block_ids=_copied(tracker.group_block_ids),
+                computed_start=computed_start,
             )
         )
 
@@ -379,16 +371,24 @@ class SchedulerSide:
         self._keys.pop(rid, None)
         return self._trackers.pop(rid, None)
 
-    def request_finished(self, request: SchedulerRequest, block_ids: list[int]) -> None:
+    def request_finished(self, request: SchedulerRequest, block_ids: Sequence[int]) -> None:
         """Forget the request (its worker-side leases go with ``finished_req_ids``), after
         noting the save of chunks that its last step completed with accepted speculative
         tokens (:meth:`_save_finished`)."""
+        self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: SchedulerRequest, block_ids: Sequence[Sequence[int]]
+    ) -> None:
+        """:meth:`request_finished` with the request's blocks of every KV cache group."""
         rid = str(getattr(request, "request_id", "?"))
         save = partial(self._save_finished, request, rid, block_ids)
         self._guard("request_finished", rid, None, save)
         self._guard("request_finished", rid, None, lambda: self._forget(rid))
 
-    def _save_finished(self, request: SchedulerRequest, rid: str, block_ids: list[int]) -> None:
+    def _save_finished(
+        self, request: SchedulerRequest, rid: str, block_ids: Sequence[Sequence[int]]
+    ) -> None:
         """Speculative decoding: the draft tokens that vLLM accepted in a request's last step
         were unknown when that step's save was planned, so a chunk they completed is saved
         now, from ``block_ids`` (vLLM's blocks of the request, freed when this returns). The
@@ -403,22 +403,26 @@ class SchedulerSide:
         placeholders = int(getattr(request, "num_output_placeholders", 0) or 0)
         done = int(getattr(request, "num_computed_tokens", 0) or 0) - placeholders
         save = self._save_spec(tracker, min(done, len(request.all_token_ids)))
-        if save is None or len(block_ids) * self.block_size < save.end:
+        if save is None or not block_ids or len(block_ids[0]) * self.block_size < save.end:
             return
         tokens = list(request.all_token_ids[: save.end])
         self._finished_saves.append(
             ReqMeta(
                 req_id=rid,
                 token_ids=tokens,
-                block_ids=[int(b) for b in block_ids],
+                block_ids=[int(b) for b in block_ids[0]],
                 salt=tracker.salt,
                 extra_keys=chunk_extra_keys(tracker.extra_keys, len(tokens), self.chunk_size),
                 save=save,
+                group_block_ids=_copied(block_ids) if self.multi_group else None,
+                computed_start=done,
             )
         )
 
     def reset_cache(self) -> bool:
         """Ask every worker rank to drop this engine's chunks."""
+        if self.inert:
+            return True  # no worker holds any
         return self._guard("reset_cache", "*", False, lambda: self.lookups.get_client().clear())
 
     def take_stats(self) -> dict[str, float] | None:
@@ -440,3 +444,7 @@ class SchedulerSide:
     def close(self) -> None:
         """Close the lookup connections (idempotent)."""
         self.lookups.close()
+
+
+def _copied(per_group: Sequence[Sequence[int]] | None) -> list[list[int]] | None:
+    return [[int(b) for b in blocks] for blocks in per_group] if per_group is not None else None

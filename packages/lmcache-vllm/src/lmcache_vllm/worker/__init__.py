@@ -3,6 +3,8 @@
 
 It runs in every worker process, one per tensor-parallel rank.
 vLLM's forward thread calls ``WorkerSide`` (:mod:`~lmcache_vllm.worker.side`) around each step.
+With several KV cache groups it calls ``GroupedWorkerSide`` (:mod:`~lmcache_vllm.worker.grouped`),
+which fans each hook out to one ``WorkerSide`` per group.
 Saves are copied and committed on the save queue's two background threads.
 The lookup server (:mod:`~lmcache_vllm.worker.lookup_server`) answers the scheduler's lookups
 on daemon threads, one per connection.

@@ -6,8 +6,10 @@ reads the geometry from the real tensors (shape and dtype, never assumed) and ev
 configuration fact that changes the KV bytes (model, revision, quantization, KV-cache dtype,
 tensor-parallel rank, and a digest of the effective model configuration and of the weights,
 :func:`lmcache.model_identity.model_digest`) into :class:`~lmcache.metadata.LMCacheMetadata`, whose
-fingerprint seeds every chunk key. :func:`check_kv_cache_groups` refuses a KV cache of several
-groups (vLLM's hybrid KV cache manager), whose layers do not share one block table.
+fingerprint seeds every chunk key; with several KV cache groups each group's engine adds its
+group to it (``group_tag``, :func:`lmcache_vllm.kv_groups.group_tag`).
+:func:`check_kv_cache_groups` refuses a KV cache of several groups (vLLM's hybrid KV cache
+manager) for vLLM's in-tree wrapper, which does not pass each group's blocks on.
 """
 
 from __future__ import annotations
@@ -50,27 +52,31 @@ def _layer_index(name: str, fallback: int) -> int:
         return fallback
 
 
-def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
-    """Refuse an engine whose KV cache has several groups (vLLM's hybrid KV cache manager).
+def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None, *, supports_hma: bool) -> None:
+    """Refuse several KV cache groups (vLLM's hybrid KV cache manager) where the connector
+    class that vLLM built does not take each group's blocks.
 
-    Each group has its own block table; lmcache moves every layer through one (group 0's), so
-    with several it would read and write other blocks of the other groups' layers: wrong KV.
-    vLLM turns its hybrid manager off for a connector without hybrid support unless it is
-    forced on (``--no-disable-hybrid-kv-cache-manager``); a config of ``None`` (older vLLM) is
-    not checked here.
+    Our class (``kv_connector`` ``LMCacheConnector``, or the module path
+    ``lmcache_vllm.connector``) implements vLLM's ``SupportsHMA`` and takes them. vLLM's
+    in-tree wrapper (``LMCacheConnectorV1`` without a module path) does not: vLLM turns its
+    hybrid manager off for it, and refuses it when the manager is forced on. Were it on anyway,
+    lmcache would move every layer through group 0's block table and load wrong KV.
 
     Raises:
-        ValueError: more than one KV cache group, with the fix.
+        ValueError: more than one group and ``supports_hma`` false, with the fix.
     """
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    if len(groups) <= 1:
+    if len(groups) <= 1 or supports_hma:
         return
     kinds = sorted({type(getattr(g, "kv_cache_spec", None)).__name__ for g in groups})
     raise ValueError(
         f"lmcache: this engine's KV cache has {len(groups)} groups ({', '.join(kinds)}), "
-        "because vLLM's hybrid KV cache manager is on; lmcache supports one group (every "
-        "layer in one block table). Start vLLM with --disable-hybrid-kv-cache-manager (or "
-        "without --no-disable-hybrid-kv-cache-manager) to use lmcache with this model."
+        "because vLLM's hybrid KV cache manager is on, and vLLM's in-tree LMCacheConnectorV1 "
+        "wrapper does not pass each group's blocks on. Select lmcache's own connector class, "
+        "which supports the hybrid manager: --kv-transfer-config "
+        '\'{"kv_connector":"LMCacheConnector","kv_role":"kv_both"}\' (or '
+        '"kv_connector_module_path":"lmcache_vllm.connector"), or start vLLM with '
+        "--disable-hybrid-kv-cache-manager."
     )
 
 
@@ -116,9 +122,13 @@ def build_metadata(
     chunk_size: int,
     world_size: int,
     rank: int,
+    group_tag: str = "",
 ) -> tuple[LMCacheMetadata, dict[str, Any]]:
     """The metadata and connector layout hints of vLLM's caches ``[num_blocks, kv_heads,
     block_size, head_k + head_v]`` per layer (MLA: ``[num_blocks, block_size, latent]``).
+
+    ``group_tag`` (one of several KV cache groups) goes into the fingerprint, after the model
+    digest, so each group's chunks have keys of their own.
 
     Raises:
         KVLayoutError: a cache that is not one of those views.
@@ -157,7 +167,7 @@ def build_metadata(
         model_revision=str(getattr(mc, "revision", None) or ""),
         quantization=str(getattr(mc, "quantization", None) or ""),
         kv_cache_dtype=kv_cache_dtype,
-        model_digest=vllm_model_digest(mc),
+        model_digest=vllm_model_digest(mc) + (f"|{group_tag}" if group_tag else ""),
     )
     hints: dict[str, Any] = {}
     if use_mla:
@@ -176,17 +186,28 @@ def build_engine(
     world_size: int,
     rank: int,
     labels: dict[str, str],
+    block_size: int | None = None,
+    group_tag: str = "",
 ) -> tuple[LMCacheEngine, str]:
     """The cache engine for vLLM's caches (in layer order): metadata, the ``vllm.<device>``
     connector, labelled metrics, the process-wide CPU tier. Returns it and the block format.
+    ``block_size`` (default vLLM's ``cache_config.block_size``) and ``group_tag`` for one of
+    several KV cache groups.
 
     Raises:
         KVLayoutError: a layout no connector handles.
     """
     metadata, hints = build_metadata(
-        vllm_config, names, caches, chunk_size=config.chunk_size, world_size=world_size, rank=rank
+        vllm_config,
+        names,
+        caches,
+        chunk_size=config.chunk_size,
+        world_size=world_size,
+        rank=rank,
+        group_tag=group_tag,
     )
-    block_size = int(vllm_config.cache_config.block_size)
+    if block_size is None:
+        block_size = int(vllm_config.cache_config.block_size)
     info = EngineInfo(
         name="vllm",
         device=caches[0].device.type,

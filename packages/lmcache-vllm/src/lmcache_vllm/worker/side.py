@@ -99,6 +99,10 @@ class WorkerSide:
         get_metadata: Returns the connector metadata bound for this step.
         on_engine: Called with each ``LMCacheEngine`` built (the adapter's registry of live
             engines).
+        block_size: vLLM's block size of these layers (default ``cache_config.block_size``).
+        group_tag: One of several KV cache groups (:mod:`lmcache_vllm.worker.grouped`): goes
+            into the fingerprint of its chunks.
+        serve_lookups: Start this rank's lookup server (a grouped worker serves its groups').
     """
 
     def __init__(
@@ -110,11 +114,15 @@ class WorkerSide:
         rank: int,
         get_metadata: Callable[[], object],
         on_engine: Callable[[LMCacheEngine], None] | None = None,
+        block_size: int | None = None,
+        group_tag: str = "",
+        serve_lookups: bool = True,
     ) -> None:
         self._vllm_config = vllm_config
         self.config = config
         self.chunk_size = config.chunk_size
-        self.block_size = int(vllm_config.cache_config.block_size)
+        self.block_size = block_size or int(vllm_config.cache_config.block_size)
+        self._group_tag, self._serve_lookups = group_tag, serve_lookups
         self.engine_key = engine_key
         self.world_size = world_size
         self.rank = rank
@@ -178,6 +186,8 @@ class WorkerSide:
             world_size=self.world_size,
             rank=self.rank,
             labels={"engine": self.engine_key, "rank": str(self.rank)},
+            block_size=self.block_size,
+            group_tag=self._group_tag,
         )
         first = caches[0]
         self.lmcache_engine = engine
@@ -199,14 +209,18 @@ class WorkerSide:
         self._batched.attach(engine, self._backend, first.device, self._layerwise.store_stream)
         if self._on_engine is not None:
             self._on_engine(engine)
-        self._lookup_server = LookupServer(self.engine_key, self.rank, self._lookup, self._clear)
+        if self._serve_lookups:
+            self._lookup_server = LookupServer(
+                self.engine_key, self.rank, self._lookup, self._clear
+            )
         logger.info(
-            "lmcache: registered %d layers %s on %s (%s), lookup socket %s",
+            "lmcache: registered %d layers %s on %s (%s)%s, lookup socket %s",
             len(caches),
             tuple(first.shape),
             first.device.type,
             kv_format,
-            self._lookup_server.path,
+            f" as {self._group_tag}" if self._group_tag else "",
+            self._lookup_server.path if self._lookup_server else "of the grouped worker",
         )
 
     # ------------------------------------------------------------------ lookups (server thread)

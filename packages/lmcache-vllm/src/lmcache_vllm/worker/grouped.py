@@ -1,0 +1,221 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The worker side for a KV cache of several groups (vLLM's hybrid KV cache manager).
+
+Each attention group is one *stream*: a :class:`~lmcache_vllm.worker.side.WorkerSide` of its
+own over the group's layers and block table, with its own cache engine and chunk keys (the group
+is in the fingerprint). :class:`GroupedWorkerSide` fans every vLLM hook out to them:
+
+- the step's metadata is split per group (:func:`lmcache_vllm.kv_groups.split_metadata`): each
+  stream sees the request's blocks of its group, what of the load its group writes, and what of
+  the save its group stores;
+- per-layer hooks go to the stream that owns the layer;
+- one lookup server answers for the rank: every stream looks the prompt up and leases what it
+  holds, and the answer is the shortest of their hits (the scheduler rounds it down to where
+  hits may end, :func:`lmcache_vllm.kv_groups.hit_alignment`).
+
+With one KV cache group none of this runs: the adapter builds a plain ``WorkerSide``.
+
+A model with a group lmcache cannot store (Mamba or linear-attention state, ...) gets no stream
+at all: the scheduler side asks nothing and saves nothing for it
+(:data:`lmcache_vllm.kv_groups.UNSUPPORTED_GROUPS`).
+
+vLLM cannot take block-level load errors from a connector with several groups (it raises), so
+a stream's failed load is logged as an error and counted in ``failed_load_tokens`` instead.
+Loads of leased chunks do not fail in normal operation.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+
+import torch
+
+from lmcache.cache_engine import LMCacheEngine
+from lmcache.config import LMCacheConfig
+from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata
+from lmcache_vllm.kv_groups import KVGroup, group_tag, split_metadata, unsupported_kinds
+from lmcache_vllm.lookup_wire import LookupQuery
+from lmcache_vllm.vllm_types import VllmConfig
+from lmcache_vllm.worker.lookup_server import LookupServer
+from lmcache_vllm.worker.side import WorkerSide
+
+__all__ = ["GroupedWorkerSide"]
+
+logger = logging.getLogger(__name__)
+
+_ONCE_PER_REQUEST = frozenset(
+    {"loaded_tokens", "expected_load_tokens", "stored_tokens", "num_loads", "num_saves"}
+)
+"""Counters every stream counts for the same request: reported from the first full-attention
+stream only (the others' bytes and seconds add up)."""
+
+
+class GroupedWorkerSide:
+    """One :class:`WorkerSide` per attention group of vLLM's KV cache (module docstring).
+
+    Args:
+        vllm_config, config, engine_key, world_size, rank, get_metadata, on_engine: As for
+            :class:`WorkerSide`.
+        groups: vLLM's KV cache groups (:func:`lmcache_vllm.kv_groups.kv_groups`).
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        config: LMCacheConfig,
+        engine_key: str,
+        world_size: int,
+        rank: int,
+        get_metadata: Callable[[], object],
+        on_engine: Callable[[LMCacheEngine], None] | None,
+        groups: Sequence[KVGroup],
+    ) -> None:
+        self.chunk_size = config.chunk_size
+        self.engine_key, self.rank = engine_key, rank
+        self.unsupported = unsupported_kinds(groups)
+        self.groups = [] if self.unsupported else list(groups)
+        self._get_metadata = get_metadata
+        self._split_lock = threading.Lock()
+        self._split_of: object = None
+        self._views: list[object] = []
+        self.streams = [
+            WorkerSide(
+                vllm_config,
+                config,
+                engine_key,
+                world_size,
+                rank,
+                partial(self._view, i),
+                on_engine,
+                block_size=g.block_size,
+                group_tag=group_tag(g, len(groups)),
+                serve_lookups=False,
+            )
+            for i, g in enumerate(self.groups)
+        ]
+        self._by_layer = {
+            name: stream
+            for g, stream in zip(self.groups, self.streams, strict=True)
+            for name in g.layer_names
+        }
+        full = [i for i, g in enumerate(self.groups) if g.kind == "full"]
+        self._primary = full[0] if full else 0
+        self._lookup_server: LookupServer | None = None
+        self._lost_errors = 0  # load errors vLLM could not be told of (logged)
+
+    # ------------------------------------------------------------------ registration
+
+    @property
+    def lmcache_engine(self) -> LMCacheEngine | None:
+        """The first full-attention stream's cache engine (``None`` before registration)."""
+        return self.streams[self._primary].lmcache_engine if self.streams else None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register each group's layers with its stream, then serve lookups for all of them."""
+        if not self.streams:
+            logger.info(
+                "lmcache: not registering this engine's KV caches (%s groups): lmcache stores "
+                "and loads nothing for this model",
+                ", ".join(self.unsupported),
+            )
+            return
+        for g, stream in zip(self.groups, self.streams, strict=True):
+            stream.register_kv_caches({n: kv_caches[n] for n in g.layer_names if n in kv_caches})
+        if self._lookup_server is None:
+            self._lookup_server = LookupServer(
+                self.engine_key, self.rank, self._lookup, self._clear
+            )
+
+    def _lookup(self, query: LookupQuery) -> int:
+        """Every stream looks up and leases; the hit is the shortest of theirs."""
+        return min((s._lookup(query) for s in self.streams), default=0)
+
+    def _clear(self) -> None:
+        for stream in self.streams:
+            stream._clear()
+
+    # ------------------------------------------------------------------ per step
+
+    def _split(self, meta: object) -> list[object]:
+        """Each stream's view of ``meta`` (computed once per metadata object)."""
+        with self._split_lock:
+            if meta is not self._split_of or not self._views:
+                if isinstance(meta, LMCacheConnectorMetadata):
+                    views: list[object] = list(split_metadata(meta, self.groups, self.chunk_size))
+                else:
+                    views = [meta] * len(self.streams)
+                self._split_of, self._views = meta, views
+            return self._views
+
+    def _view(self, index: int) -> object:
+        views = self._split(self._get_metadata())
+        return views[index] if views else None
+
+    def bind(self, meta: object) -> None:
+        for stream, view in zip(self.streams, self._split(meta), strict=False):
+            stream.bind(view)
+
+    def handle_preemptions(self, meta: object) -> None:
+        for stream, view in zip(self.streams, self._split(meta), strict=False):
+            stream.handle_preemptions(view)
+
+    def start_load_kv(self) -> None:
+        for stream in self.streams:
+            stream.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        stream = self._by_layer.get(layer_name)
+        if stream is not None:
+            stream.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        stream = self._by_layer.get(layer_name)
+        if stream is not None:
+            stream.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        for stream in self.streams:
+            stream.wait_for_save()
+
+    def get_finished(self, finished_req_ids: Iterable[str]) -> None:
+        ids = list(finished_req_ids)
+        for stream in self.streams:
+            stream.get_finished(ids)
+
+    @property
+    def held_leases(self) -> int:
+        return sum(stream.held_leases for stream in self.streams)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Always empty: vLLM raises on block-level load errors with several KV cache groups
+        (block ids are per group), so the streams' errors are logged instead."""
+        lost = set().union(*(stream.get_block_ids_with_load_errors() for stream in self.streams))
+        if lost:
+            self._lost_errors += len(lost)
+            logger.error(
+                "lmcache: loads failed for %d blocks; vLLM cannot recompute them with several "
+                "KV cache groups, so the requests that hold them may produce wrong output",
+                len(lost),
+            )
+        return set()
+
+    def take_stats(self) -> dict[str, float] | None:
+        """The streams' counters since the last call, each request counted once."""
+        out: dict[str, float] = {}
+        for i, stream in enumerate(self.streams):
+            for name, value in (stream.take_stats() or {}).items():
+                if name in _ONCE_PER_REQUEST and i != self._primary:
+                    continue
+                out[name] = out.get(name, 0.0) + value
+        return out if any(out.values()) else None
+
+    def shutdown(self) -> None:
+        """Stop the lookup server, then each stream (finishing its queued saves)."""
+        if self._lookup_server is not None:
+            self._lookup_server.close()
+            self._lookup_server = None
+        for stream in self.streams:
+            stream.shutdown()
