@@ -262,12 +262,8 @@ class WorkerSide:
     def bind(self, meta: object) -> None:
         """Start of a step, before anything writes vLLM's pages: finish the previous step's
         layerwise work, wait until queued saves have copied their pages (vLLM may reuse freed or
-        preempted blocks from now on), release stale leases.
-
-        A preempted request keeps the lease of its lookup: with asynchronous scheduling, it
-        may be looked up again (and leased) before this step binds, and releasing here would
-        drop that fresh lease. Its lease goes when it resumes (a new lookup replaces it, the
-        same one reuses it), ends, or times out."""
+        preempted blocks from now on), release stale leases. A preempted request keeps its
+        lease: asynchronous scheduling may have leased it again before this step binds."""
         self._bound = meta
         if self._layerwise is not None:
             self._layerwise.finish()
