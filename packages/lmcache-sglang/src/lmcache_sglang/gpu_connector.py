@@ -28,7 +28,11 @@ On CUDA the transfers go through the ``lmcache.gpu_ops`` kernels
 (:mod:`lmcache_sglang.kernel_transfer`): a store returns each chunk's checksum, computed on the
 device, and a load writes only the chunks whose bytes match the checksum stored with them
 (:attr:`SGLangKVConnector.verifies_checksums`). Elsewhere (CPU, XPU) the transfers are torch
-indexing and the cache engine checksums the chunks on the host.
+indexing and the cache engine checksums the chunks on the host. On the CPU, when every layer is
+a view of one buffer (a HiCache host pool, :func:`~lmcache_sglang.kv_pools.token_rows`) and each
+chunk's slots are one run (a page), each chunk moves with one strided copy of all its layers,
+straight between the pool and its buffer; chunks in consecutive slots whose buffers lie back to
+back move with one copy together.
 
 This module never imports SGLang.
 """
@@ -38,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from lmcache.devices import DeviceBackend, get_backend
@@ -45,6 +50,7 @@ from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums, staged_t
 from lmcache.gpu_connector.interface import ChunkTransfer, EngineInfo, KVLayoutError, TransferSpec
 from lmcache.gpu_connector.layer_range import LayerRangeConnector, engine_selector, moved_tokens
 from lmcache_sglang.kernel_transfer import KernelTransfer, paged_kv
+from lmcache_sglang.kv_pools import TokenRows, back_to_back, token_rows
 
 if TYPE_CHECKING:
     from lmcache.config import LMCacheConfig
@@ -121,6 +127,11 @@ class SGLangKVConnector(LayerRangeConnector):
         """The kernel path with device checksums (CUDA), else ``None`` (torch indexing)."""
         if self.device.type == "cuda" and self.backend.has_streams:
             self.kernels = self.kernel_transfer()
+        self.rows: TokenRows | None = None
+        """Every layer as one strided view (host pools whose layers share a buffer): chunks
+        whose slots are one run move with one copy each (:meth:`_runs`)."""
+        if self.kernels is None and self.device.type == "cpu":
+            self.rows = token_rows(self._layers, layout, self.page_size)
 
     def kernel_transfer(self) -> KernelTransfer | None:
         """The kernel path over this connector's pools, or ``None`` when the kernels cannot
@@ -266,6 +277,62 @@ class SGLangKVConnector(LayerRangeConnector):
                     "pass slots of this pool"
                 )
 
+    def _runs(
+        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec, skip: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """``(pool view, buffer view)`` pairs, ``[runs, len(layers), n, parts, heads, dim]``
+        each, covering every chunk's moved tokens (from ``skip`` on) when each chunk's sit in one
+        run of consecutive slots of the pool (HiCache's pages); else ``None`` (the indexed path,
+        which also reports bad slots). Whole chunks of one size whose slots follow each other
+        and whose buffers lie back to back in one allocation (what ``allocate_many`` hands out)
+        share one pair: one copy moves them all."""
+        rows = self.rows
+        mapping = transfer.slot_mapping
+        if rows is None or mapping.device.type != "cpu" or mapping.dim() != 1:
+            return None
+        end = max(c.end for c in chunks)
+        if end > mapping.numel():
+            return None
+        slots = mapping[:end].to(torch.int64).numpy()
+        # breaks[i]: how many times the slots stop being consecutive before token i
+        breaks = np.concatenate(([0], np.cumsum(np.diff(slots) != 1)))
+        shape = rows.shape
+        width = shape[0] * shape[1] * shape[2]
+        spans = []
+        for c in chunks:
+            a = max(c.start, skip)
+            n = c.end - a
+            if n <= 0:
+                continue
+            first = int(slots[a])
+            if breaks[c.end - 1] != breaks[a] or first < 0 or first + n > self.num_slots:
+                return None
+            if c.buffer.shape[-1] != width:
+                return None
+            spans.append((c, a, first, n))
+        out = []
+        i = 0
+        while i < len(spans):
+            c, a, first, n = spans[i]
+            group = back_to_back(spans, i, self.num_layers)
+            pool = rows.run(layers, first, n, group) if group > 1 else None
+            if pool is not None:
+                buf = c.buffer.as_strided(
+                    pool.shape,
+                    (c.buffer.numel(), n * width, width, shape[1] * shape[2], shape[2], 1),
+                    c.buffer.storage_offset() + layers.start * n * width,
+                )
+                out.append((pool, buf))
+                i += group
+                continue
+            pool = rows.run(layers, first, n)
+            if pool is None:
+                return None
+            buf = c.buffer[layers.start : layers.stop, a - c.start : c.end - c.start]
+            out.append((pool, buf.view(*buf.shape[:2], *shape).unsqueeze(0)))
+            i += 1
+        return out
+
     # -- transfers: LayerRangeConnector runs from_gpu, to_gpu and the layerwise methods --------
 
     def _from(
@@ -273,6 +340,11 @@ class SGLangKVConnector(LayerRangeConnector):
     ) -> StoreChecksums | None:
         if self.kernels is not None:
             return self._from_kernels(self.kernels, layers, chunks, transfer)
+        runs = self._runs(layers, chunks, transfer, 0)
+        if runs is not None:  # one copy per run of chunks, all their layers
+            for pool, buf in runs:
+                buf.copy_(pool)
+            return None
         _, slots = self._slots(chunks, transfer, 0)
         index = self._index(slots)
         n = slots.numel()
@@ -290,6 +362,12 @@ class SGLangKVConnector(LayerRangeConnector):
     ) -> LoadChecks | None:
         if self.kernels is not None:
             return self._to_kernels(self.kernels, layers, chunks, transfer)
+        runs = self._runs(layers, chunks, transfer, transfer.skip_tokens)
+        if runs is not None:
+            for pool, buf in runs:
+                pool.copy_(buf)
+            self._last_stream = transfer.stream
+            return None
         rows, slots = self._slots(chunks, transfer, transfer.skip_tokens)
         if slots.numel() == 0:
             return None

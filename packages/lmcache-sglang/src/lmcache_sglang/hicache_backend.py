@@ -25,6 +25,11 @@ whose pages are the same on every rank), the pipeline stage and the context-para
 backend is asynchronous to the forward pass; it is not layerwise (SGLang loads host pages into
 the device layer by layer itself).
 
+A batch costs one allocation, one publish and one lease of its pages. Its bytes move with one
+strided copy of all layers per run of consecutive host pages (zero-copy: the connector's
+one-copy path) or per flat page, never with per-layer indexing: SGLang's storage threads call
+in while its scheduler thread runs Python, so every extra torch call may wait for the GIL.
+
 Pages live in every tier lmcache is configured with: ``batch_exists`` spans CPU -> disk ->
 remote, a get reads pages found only below the CPU tier into host memory, verified, before
 copying them into SGLang's host pool, and a set writes the CPU tier and queues the pages for the
@@ -40,18 +45,17 @@ into SGLang's storage threads; bad configuration raises at construction.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+import time
 from typing import Any
 
 import torch
 
 from lmcache.gpu_connector import CreateGPUConnector
-from lmcache.gpu_connector.interface import ChunkTransfer, GPUConnectorInterface, TransferSpec
 from lmcache.metrics import LMCacheMetrics
 from lmcache.tiers import process_cpu_tier
-from lmcache_sglang.gpu_connector import SGLangKVConnector
 from lmcache_sglang.hook_config import ModelFacts, hook_config, log_start_line, model_facts
-from lmcache_sglang.kv_pools import build_metadata, host_layer_views, host_pool_layers
+from lmcache_sglang.kv_pools import build_metadata, host_pool_layers
 from lmcache_sglang.page_store import PageStore
 from lmcache_sglang.sglang_types import HostKVPool
 
@@ -267,30 +271,27 @@ class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
         }[self.layout]
         return dims if meta.use_mla else (2, *dims)
 
-    def _page_connector(self, page: torch.Tensor) -> GPUConnectorInterface:
-        """A connector whose "pool" is one flat page tensor (slots ``0 .. page_size - 1``)."""
-        store = self._store()
-        md = store.metadata
+    def _page_view(self, page: Any) -> torch.Tensor:
+        """One flat page (``get_data_page`` of the host pool) as ``[num_layers, page_size,
+        parts, heads, head_dim]`` (MLA: ``[num_layers, page_size, 1, latent]``), a view: the
+        canonical page's order, whatever the host layout.
+
+        Raises:
+            ValueError: not a flat page of this pool.
+        """
+        md = self._store().metadata
         dims = self._page_dims(md)
-        expected = 1
-        for d in dims:
-            expected *= d
-        if not isinstance(page, torch.Tensor) or page.numel() != expected:
+        if not isinstance(page, torch.Tensor) or page.numel() != math.prod(dims):
             raise ValueError(
-                f"expected a flat page of {expected} {md.kv_dtype} elements ({list(dims)} in "
-                f"the {self.layout} layout), found {getattr(page, 'shape', type(page).__name__)}"
+                f"expected a flat page of {math.prod(dims)} {md.kv_dtype} elements ({list(dims)} "
+                f"in the {self.layout} layout), found {getattr(page, 'shape', type(page).__name__)}"
             )
-        view = page.view(md.kv_dtype).reshape(dims)
-        caches, kv_layout = host_layer_views(view, self.layout, md.num_layers, md.use_mla)
-        from lmcache.gpu_connector.interface import EngineInfo
-
-        engine = EngineInfo("sglang", page.device.type, caches, {"page_size": md.chunk_size})
-        return SGLangKVConnector(
-            self.config, md, engine, {"kv_layout": kv_layout, "page_size": md.chunk_size}
-        )
-
-    def _page_slots(self) -> TransferSpec:
-        return TransferSpec(torch.arange(self._store().page_size, dtype=torch.int64))
+        view = page.view(md.kv_dtype).view(dims)
+        if not md.use_mla:
+            view = view.movedim(0, -3)  # K and V next to the heads, as in a canonical row
+        if self.layout == "page_first":
+            return view.transpose(0, 1)
+        return view[0] if self.layout == "page_first_direct" else view
 
     def set(
         self,
@@ -300,17 +301,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
         target_sizes: Any = None,
     ) -> bool:
         """Store one flat page (``get_data_page(...)`` of the host pool) under ``key``."""
-        try:
-            store = self._store()
-            connector = self._page_connector(value)
-            canonical = torch.empty(
-                connector.chunk_shape(store.page_size), dtype=store.metadata.kv_dtype
-            )
-            connector.from_gpu([ChunkTransfer(0, store.page_size, canonical)], self._page_slots())
-            return store.put_page(key, canonical)
-        except Exception as exc:
-            self._miss("set", exc)
-            return False
+        return self.batch_set([key], [value])
 
     def batch_set(
         self,
@@ -319,10 +310,16 @@ class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
-        if values is None or len(values) != len(keys):
-            self._miss("batch_set", ValueError("one flat page per key expected"))
+        """Store flat pages under ``keys``: one strided copy per page into its buffer, one
+        allocation and one publish for them all; ``True`` when every page is stored."""
+        try:
+            if values is None or len(values) != len(keys):
+                raise ValueError("one flat page per key expected")
+            pages = [self._page_view(v) for v in values]
+            return self._store().put_pages(list(keys), pages) == len(keys)
+        except Exception as exc:
+            self._miss("batch_set", exc)
             return False
-        return all(self.set(k, v) for k, v in zip(keys, values, strict=True))
 
     def get(
         self,
@@ -331,22 +328,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
         target_sizes: Any = None,
     ) -> torch.Tensor | None:
         """Fill ``target_location`` (a flat page; a new one when ``None``) with page ``key``."""
-        try:
-            store = self._store()
-            if target_location is None:
-                target_location = self._host().get_dummy_flat_data_page()
-            connector = self._page_connector(target_location)
-            held = store.hold([key])
-            try:
-                if len(held) == 0:
-                    return None
-                connector.to_gpu(held.chunks(store.page_size), self._page_slots())
-            finally:
-                held.release()
-            return target_location  # type: ignore[no-any-return]
-        except Exception as exc:
-            self._miss("get", exc)
-            return None
+        return self.batch_get([key], [target_location])[0]
 
     def batch_get(
         self,
@@ -354,14 +336,34 @@ class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> list[torch.Tensor | None]:
-        targets: Sequence[Any] = target_locations or [None] * len(keys)
-        out: list[torch.Tensor | None] = []
-        for key, target in zip(keys, targets, strict=False):
-            page = self.get(key, target)
-            out.append(page)
-            if page is None:
-                break  # a prefix: SGLang stops at the first miss
-        return out + [None] * (len(keys) - len(out))
+        """Fill the flat pages ``target_locations`` (new ones where ``None``) with the longest
+        stored prefix of ``keys`` (leased and verified at once), one strided copy per page;
+        ``None`` from the first page not stored on."""
+        targets: list[Any] = list(target_locations or [])
+        targets += [None] * (len(keys) - len(targets))
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        try:
+            store = self._store()
+            started = time.perf_counter()
+            held = store.hold(list(keys))
+            try:
+                for i, lease in enumerate(held.leases):
+                    target = targets[i]
+                    if target is None:
+                        target = self._host().get_dummy_flat_data_page()
+                    view = self._page_view(target)
+                    view.copy_(lease.tensor.view(view.shape))
+                    out[i] = target
+            finally:
+                held.release()
+            loaded = sum(page is not None for page in out)
+            store.metrics.loaded_chunks.inc(loaded)
+            store.metrics.loaded_bytes.inc(sum(lease.nbytes for lease in held.leases[:loaded]))
+            store.metrics.retrieve_seconds.observe(time.perf_counter() - started)
+        except Exception as exc:
+            self._miss("batch_get", exc)
+        n = next((i for i, page in enumerate(out) if page is None), len(out))
+        return out[:n] + [None] * (len(keys) - n)  # a prefix: SGLang stops at the first miss
 
     # -- lifecycle ------------------------------------------------------------------------
 

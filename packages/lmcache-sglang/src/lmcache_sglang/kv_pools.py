@@ -6,28 +6,33 @@
 ``MLATokenToKVPool``: ``kv_buffer`` ``[slots, 1, latent]``), :func:`host_pool_layers` a HiCache
 host pool (``kv_buffer`` in the ``layer_first``, ``page_first`` or ``page_first_direct`` layout),
 and :func:`build_metadata` turns the geometry and the model facts into
-:class:`~lmcache.metadata.LMCacheMetadata`. Nothing here imports SGLang: the pools are read by
-attribute.
+:class:`~lmcache.metadata.LMCacheMetadata`. :func:`token_rows` describes every layer of a pool
+whose layers are views of one buffer (a HiCache host pool) as one strided tensor, so that a run
+of slots moves with one copy. Nothing here imports SGLang: the pools are read by attribute.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from lmcache.gpu_connector.interface import EngineInfo, KVLayoutError
+from lmcache.gpu_connector.interface import ChunkTransfer, EngineInfo, KVLayoutError
 from lmcache.metadata import LMCacheMetadata
 from lmcache_sglang.sglang_types import HostKVPool
 
 __all__ = [
     "HOST_LAYOUTS",
     "PoolLayers",
+    "TokenRows",
+    "back_to_back",
     "build_metadata",
     "device_pool_layers",
     "host_pool_layers",
     "host_layer_views",
+    "token_rows",
 ]
 
 HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -222,3 +227,112 @@ def build_metadata(
         kv_cache_dtype=kv_cache_dtype,
         model_digest=model_digest,
     )
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """Every layer of a pool as one strided view of the buffer its layers share.
+
+    Token ``t`` (at offset ``o`` of page ``p``: ``t = p * page_size + o``), layer ``l``, part
+    ``k`` (K, V; the latent for MLA), head ``h``, element ``d`` is at storage offset ``base + l *
+    layer + k * part + p * page + o * token + h * head + d * elem`` of ``anchor``'s storage.
+
+    Attributes:
+        anchor: A tensor on that storage (layer 0's first part).
+        shape: ``(parts, heads, dim)`` of one token of one layer.
+        strides: ``(layer, part, page, token, head, elem)`` in elements.
+        base: Storage offset of layer 0, part 0, slot 0.
+        page_size: Tokens per page (1 for a ``token`` layout: then ``page == token``).
+    """
+
+    anchor: torch.Tensor
+    shape: tuple[int, int, int]
+    strides: tuple[int, int, int, int, int, int]
+    base: int
+    page_size: int
+
+    def run(self, layers: range, slot: int, count: int, runs: int = 1) -> torch.Tensor | None:
+        """``[runs, len(layers), count, parts, heads, dim]``, a view of the pool: run ``i`` is
+        layers ``layers`` of slots ``slot + i * count .. slot + (i + 1) * count - 1``; ``None``
+        when those slots are not evenly spaced (a run crossing pages that do not follow each
+        other, or runs that are not whole pages of such pages)."""
+        layer, part, page, token, head, elem = self.strides
+        first_page, offset = divmod(slot, self.page_size)
+        if page == token * self.page_size:  # pages follow each other (always for ``token``)
+            step = count * token
+        elif offset + count > self.page_size:
+            return None
+        elif runs == 1:
+            step = 0
+        elif offset == 0 and count == self.page_size:  # whole pages, one per run
+            step = page
+        else:
+            return None
+        return self.anchor.as_strided(
+            (runs, len(layers), count, *self.shape),
+            (step, layer, token, part, head, elem),
+            self.base + layers.start * layer + first_page * page + offset * token,
+        )
+
+
+def token_rows(
+    layers: list[tuple[torch.Tensor, ...]], kv_layout: str, page_size: int
+) -> TokenRows | None:
+    """A :class:`TokenRows` of per-layer ``(k, v)`` (or ``(latent,)``) tensors in ``kv_layout``
+    (``token``, ``paged_nhd``, ``paged_hnd``), or ``None`` when they are not views of one buffer
+    at evenly spaced offsets with one shape and strides (e.g. a device pool allocated layer by
+    layer, or K and V of different head sizes)."""
+    first = layers[0][0]
+    shape = tuple(int(d) for d in first.shape)
+    stride = tuple(int(d) for d in first.stride())
+    storage = first.untyped_storage().data_ptr()
+    for parts in layers:
+        for t in parts:
+            same = tuple(t.shape) == shape and tuple(t.stride()) == stride
+            if not same or t.untyped_storage().data_ptr() != storage or t.dtype != first.dtype:
+                return None
+    base = int(first.storage_offset())
+    layer = int(layers[1][0].storage_offset()) - base if len(layers) > 1 else 0
+    part = int(layers[0][1].storage_offset()) - base if len(layers[0]) > 1 else 0
+    if (len(layers) > 1 and layer <= 0) or (len(layers[0]) > 1 and part <= 0):
+        return None
+    for i, parts in enumerate(layers):
+        for k, t in enumerate(parts):
+            if t.storage_offset() != base + i * layer + k * part:
+                return None
+    if kv_layout == "token":  # [slots, heads, dim]
+        _, heads, dim = shape
+        page, token, head, elem = stride[0], stride[0], stride[1], stride[2]
+        page_size = 1
+    elif kv_layout == "paged_nhd":  # [pages, page_size, heads, dim]
+        _, _, heads, dim = shape
+        page, token, head, elem = stride
+    else:  # paged_hnd: [pages, heads, page_size, dim]
+        _, heads, _, dim = shape
+        page, head, token, elem = stride
+    return TokenRows(
+        first, (len(layers[0]), heads, dim), (layer, part, page, token, head, elem), base, page_size
+    )
+
+
+def back_to_back(
+    spans: Sequence[tuple[ChunkTransfer, int, int, int]], i: int, num_layers: int
+) -> int:
+    """How many ``(chunk, first token, first slot, tokens)`` spans from ``i`` on are whole
+    contiguous ``[num_layers, n, width]`` buffers of one size, back to back in one allocation,
+    whose slots follow each other (one strided copy moves them all)."""
+    c0, a0, first, n = spans[i]
+    buf = c0.buffer
+    if a0 != c0.start or not buf.is_contiguous() or buf.shape[0] != num_layers:
+        return 1
+    storage, offset, size = buf.untyped_storage().data_ptr(), buf.storage_offset(), buf.numel()
+    k = 1
+    while i + k < len(spans):
+        c, a, slot, m = spans[i + k]
+        b = c.buffer
+        if m != n or a != c.start or slot != first + k * n or not b.is_contiguous():
+            break
+        if b.storage_offset() != offset + k * size or b.untyped_storage().data_ptr() != storage:
+            break
+        k += 1
+    return k

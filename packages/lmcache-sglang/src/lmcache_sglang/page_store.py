@@ -40,21 +40,22 @@ it when it is held. Pages read from disk or Redis are verified by their tier whe
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import xxhash
 
 from lmcache.config import LMCacheConfig
-from lmcache.gpu_connector.checksums import LoadChecks
 from lmcache.gpu_connector.interface import ChunkTransfer, GPUConnectorInterface, TransferSpec
 from lmcache.gpu_ops import chunk_checksum
 from lmcache.memory import MemoryLease
 from lmcache.metadata import LMCacheMetadata
 from lmcache.metrics import LMCacheMetrics
 from lmcache.tiers import CPUTier, LowerTier, cascade, process_lower_tiers
+from lmcache_sglang.load_failures import load_failures
 
 __all__ = ["PAGE_KEY_FORMAT", "HeldPages", "PageStore"]
 
@@ -160,15 +161,8 @@ class PageStore:
             lower.check_quota(page_bytes)
         if not config.local_cpu and not self.lower_tiers:
             logger.info("PageStore: local_cpu=False and no other tier: nothing is stored.")
-        self._seed = (
-            PAGE_KEY_FORMAT
-            + self.fingerprint
-            + b"\0"
-            + config.cache_salt.encode()
-            + b"\0"
-            + namespace.encode()
-            + b"\0"
-        )
+        parts = (self.fingerprint, config.cache_salt.encode(), namespace.encode(), b"")
+        self._seed = PAGE_KEY_FORMAT + b"\0".join(parts)
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -286,7 +280,7 @@ class PageStore:
         chunks = held.chunks(self.page_size)
         checks = self.connector.to_gpu(chunks, spec)
         self.connector.synchronize()
-        failed = _load_failures(chunks, checks)
+        failed = load_failures(chunks, checks)
         for pos in failed:
             self._drop_bad(held.keys[pos])
         loaded = failed[0] if failed else len(held)
@@ -314,69 +308,91 @@ class PageStore:
         keys = [self.key(h) for h in page_hashes]
         if not self.tiers.stores_anything:
             return 0
-        todo = cascade.keys_to_store(self.tiers, keys)
-        pending: list[tuple[int, ChunkTransfer, MemoryLease]] = []
-        stored = len(keys)
-        try:
-            for i in todo:
-                try:
-                    lease = self.tier.allocate(
-                        self._shape(), self.metadata.kv_dtype, metrics=self.metrics
-                    )
-                except Exception as exc:
-                    self._tier_error("allocate a page", exc)
-                    lease = None
-                if lease is None:
-                    self.metrics.failed_allocations.inc()
-                    stored = i
-                    break
-                chunk = ChunkTransfer(i * self.page_size, (i + 1) * self.page_size, lease.tensor)
-                pending.append((i, chunk, lease))
-            if pending:
-                sums = self.connector.from_gpu([c for _, c, _ in pending], spec)
-                if sums is not None and self.tiers.checksum:
-                    # the device's sums stay with the bytes: publish hashes nothing on the host,
-                    # and the connector verifies each page against its sum when it loads it
-                    for (_, _, lease), value in zip(pending, sums.values(), strict=True):
-                        lease.checksum = value
-                done = cascade.publish(self.tiers, [(keys[i], lease) for i, _, lease in pending])
-                if done < len(pending):
-                    stored = min(stored, pending[done][0])
-            self._touch(keys[:stored])
-        finally:
-            for _, _, lease in pending:
-                if not lease.released:
-                    lease.release()
+
+        def fill(pending: list[tuple[int, MemoryLease]]) -> None:
+            chunks = [
+                ChunkTransfer(i * self.page_size, (i + 1) * self.page_size, lease.tensor)
+                for i, lease in pending
+            ]
+            sums = self.connector.from_gpu(chunks, spec)
+            if sums is not None and self.tiers.checksum:
+                # the device's sums stay with the bytes: publish hashes nothing on the host,
+                # and the connector verifies each page against its sum when it loads it
+                for (_, lease), value in zip(pending, sums.values(), strict=True):
+                    lease.checksum = value
+
+        stored = self._write(keys, fill)
         self.metrics.store_seconds.observe(time.perf_counter() - started)
         return stored
 
     def put_page(self, page_hash: str, page: torch.Tensor) -> bool:
         """Store one page given as a canonical ``[num_layers, page_size, kv_width]`` tensor
         (CPU tier when ``local_cpu``, and written through to every lower tier)."""
-        if tuple(page.shape) != self._shape() or page.dtype != self.metadata.kv_dtype:
-            raise ValueError(
-                f"PageStore.put_page: expected a {list(self._shape())} {self.metadata.kv_dtype} "
-                f"page, found {list(page.shape)} {page.dtype}"
-            )
-        key = self.key(page_hash)
+        return self.put_pages([page_hash], [page]) == 1
+
+    def put_pages(self, page_hashes: Sequence[str], pages: Sequence[torch.Tensor]) -> int:
+        """Store pages (stored ones skipped), each ``[num_layers, page_size, ...]`` of the KV
+        dtype with ``kv_width`` elements per token in the canonical order (e.g. a view of
+        SGLang's flat page, any strides), one copy each; returns how many leading pages are
+        stored now (as :meth:`store`).
+
+        Raises:
+            ValueError: a page of another shape or dtype, or not one page per hash.
+        """
+        L, ps, width = self._shape()
+        dtype = self.metadata.kv_dtype
+        for page in pages:
+            if (
+                page.shape[:2] != (L, ps)
+                or math.prod(page.shape[2:]) != width
+                or page.dtype != dtype
+            ):
+                raise ValueError(
+                    f"PageStore.put_pages: expected [{L}, {ps}, ...] {dtype} pages of {width} "
+                    f"elements per token, found {list(page.shape)} {page.dtype}"
+                )
+        if len(pages) != len(page_hashes):
+            raise ValueError(f"PageStore.put_pages: {len(page_hashes)} hashes, {len(pages)} pages")
+        keys = [self.key(h) for h in page_hashes]
         if not self.tiers.stores_anything:
-            return False
-        if not cascade.keys_to_store(self.tiers, [key]):
-            self._touch([key])
-            return True
+            return 0
+
+        def fill(pending: list[tuple[int, MemoryLease]]) -> None:
+            for i, lease in pending:
+                lease.tensor.view(pages[i].shape).copy_(pages[i])
+
+        return self._write(keys, fill)
+
+    def _write(
+        self, keys: list[bytes], fill: Callable[[list[tuple[int, MemoryLease]]], None]
+    ) -> int:
+        """Buffers for the ``keys`` not stored yet (one allocation), ``fill`` them (``(position,
+        lease)`` pairs), publish them and mark the run used; how many leading keys are stored."""
+        todo = cascade.keys_to_store(self.tiers, keys)
+        leases: list[MemoryLease] = []
+        if todo:
+            try:
+                leases = self.tier.allocate_many(
+                    self._shape(), self.metadata.kv_dtype, len(todo), metrics=self.metrics
+                )
+            except Exception as exc:
+                self._tier_error("allocate pages", exc)
+            if len(leases) < len(todo):  # a prefix is stored
+                self.metrics.failed_allocations.inc()
+        stored = todo[len(leases)] if len(leases) < len(todo) else len(keys)
+        pending = list(zip(todo, leases, strict=False))
         try:
-            lease = self.tier.allocate(self._shape(), self.metadata.kv_dtype, metrics=self.metrics)
-        except Exception as exc:
-            self._tier_error("allocate a page", exc)
-            lease = None
-        if lease is None:
-            self.metrics.failed_allocations.inc()
-            return False
-        try:
-            lease.tensor.copy_(page)
-            return cascade.publish(self.tiers, [(key, lease)]) == 1
+            if pending:
+                fill(pending)
+                done = cascade.publish(self.tiers, [(keys[i], lease) for i, lease in pending])
+                if done < len(pending):
+                    stored = min(stored, pending[done][0])
+            self._touch(keys[:stored])
         finally:
-            lease.release()
+            for lease in leases:
+                if not lease.released:
+                    lease.release()
+        return stored
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -410,30 +426,3 @@ class PageStore:
     def _tier_error(self, action: str, exc: Exception) -> None:
         self.metrics.tier_errors.inc()
         logger.warning("CPU tier failed to %s (%r); treating it as a miss.", action, exc)
-
-
-def _load_failures(chunks: Sequence[ChunkTransfer], checks: LoadChecks | None) -> list[int]:
-    """Positions of the loaded ``chunks`` whose bytes did not match their device sum.
-
-    A chunk the connector verified before its scatter counts as it said; the sums of a load of
-    every layer are compared here; a sum the connector did not check is hashed on the host.
-    """
-    if all(c.checksum is None for c in chunks):
-        return []
-    checked: set[int] = set()
-    failed: set[int] = set()
-    if checks is not None and checks.verified:
-        for pos, ok in zip(checks.chunks, checks.ok(), strict=True):
-            checked.add(pos)
-            if not ok:
-                failed.add(pos)
-    elif checks is not None:  # the sums of every layer: this load moved all of them
-        for pos, value in zip(checks.chunks, checks.sums(), strict=True):
-            checked.add(pos)
-            if value != chunks[pos].checksum:
-                failed.add(pos)
-    for pos, chunk in enumerate(chunks):
-        unchecked = chunk.checksum is not None and pos not in checked
-        if unchecked and chunk_checksum(chunk.buffer) != chunk.checksum:
-            failed.add(pos)
-    return sorted(failed)
