@@ -227,6 +227,28 @@ def test_flat_page_interface_round_trip(layout: str) -> None:
     assert backend.get("not-a-stored-page", dst.get_dummy_flat_data_page()) is None
 
 
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_flat_pages_batched_prefix(layout: str, mla: bool) -> None:
+    """``batch_set`` stores every flat page in one pass; ``batch_get`` leases the stored prefix
+    at once and fills the given pages (a new one where ``None``), ``None`` from the first page
+    not stored on."""
+    device = _device_pool(mla)
+    src, dst = _host_pool(device, layout), _host_pool(device, layout)
+    _random_fill(src)
+    backend = _backend(src, mla=mla, interface_v1=0)
+    keys = _keys(4, seed=11)
+    pages = [src.get_data_page(p * PAGE) for p in (3, 7, 2, 5)]
+    assert backend.batch_set([keys[0], keys[1], keys[3]], [pages[0], pages[1], pages[3]])
+    targets = [dst.get_dummy_flat_data_page(), None, dst.get_dummy_flat_data_page(), None]
+    got = backend.batch_get(keys, targets)
+    assert got[2] is None and got[3] is None
+    for page, flat in zip(pages[:2], got[:2], strict=True):
+        assert flat is not None and torch.equal(flat.view(torch.uint8), page.view(torch.uint8))
+    assert got[0] is targets[0]
+    assert backend.get(keys[3]) is not None
+
+
 def test_batch_exists_is_a_prefix() -> None:
     device = _device_pool(False)
     host = _host_pool(device, "page_first")
