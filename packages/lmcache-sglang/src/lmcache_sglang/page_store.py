@@ -49,13 +49,13 @@ import torch
 import xxhash
 
 from lmcache.config import LMCacheConfig
+from lmcache.engine.load_checks import mismatched_chunks
 from lmcache.gpu_connector.interface import ChunkTransfer, GPUConnectorInterface, TransferSpec
 from lmcache.gpu_ops import chunk_checksum
 from lmcache.memory import MemoryLease
 from lmcache.metadata import LMCacheMetadata
 from lmcache.metrics import LMCacheMetrics
 from lmcache.tiers import CPUTier, LowerTier, cascade, process_lower_tiers
-from lmcache_sglang.load_failures import load_failures
 
 __all__ = ["PAGE_KEY_FORMAT", "HeldPages", "PageStore"]
 
@@ -280,7 +280,12 @@ class PageStore:
         chunks = held.chunks(self.page_size)
         checks = self.connector.to_gpu(chunks, spec)
         self.connector.synchronize()
-        failed = load_failures(chunks, checks)
+        failed = mismatched_chunks(
+            [c.checksum for c in chunks],
+            [c.buffer for c in chunks],
+            [checks],
+            self.connector.num_layers,
+        )
         for pos in failed:
             self._drop_bad(held.keys[pos])
         loaded = failed[0] if failed else len(held)
