@@ -106,6 +106,12 @@ class ChunkKernels:
 
     # -- store --------------------------------------------------------------------------------
 
+    def one_launch(self, transfer: TransferSpec) -> bool:
+        """Whether ``transfer`` can go through the kernels as one launch: they run as one here
+        (compiled or Triton, :func:`lmcache.gpu_ops.one_launch_ops`), and its slot mapping is
+        on the host (checked there, with no device sync)."""
+        return transfer.slot_mapping.device.type == "cpu" and gpu_ops.one_launch_ops(self.device)
+
     def close(self) -> None:
         """Drop the pinned upload buffers."""
         self.checks.close()

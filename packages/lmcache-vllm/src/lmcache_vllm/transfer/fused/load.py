@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmcache import gpu_ops
 from lmcache.gpu_connector.checksums import LoadChecks
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 from lmcache_vllm.transfer.fused.kernels import ChunkKernels, KernelIndex
@@ -186,10 +185,7 @@ class FusedLoad:
         """Whether an unverified load goes through the ``scatter_kv`` kernel: it is on and runs
         as one launch here, and the slot mapping is on the host (checked there, no sync)."""
         return (
-            self.kernels is not None
-            and self.kernel_scatter
-            and transfer.slot_mapping.device.type == "cpu"
-            and gpu_ops.one_launch_ops(self.device)
+            self.kernel_scatter and self.kernels is not None and self.kernels.one_launch(transfer)
         )
 
     def _from_prefetched(

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmcache import gpu_ops
 from lmcache.gpu_connector.checksums import StoreChecksums
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 from lmcache_vllm.transfer.fused.kernels import ChunkKernels, KernelIndex
@@ -131,12 +130,7 @@ class FusedStore:
         """Whether stores go through the ``gather_kv`` kernel: it is on and runs as one launch
         here (compiled or Triton), and the slot mapping is on the host (checked there, with no
         sync)."""
-        return (
-            self.kernels is not None
-            and self.kernel_gather
-            and transfer.slot_mapping.device.type == "cpu"
-            and gpu_ops.one_launch_ops(self.device)
-        )
+        return self.kernel_gather and self.kernels is not None and self.kernels.one_launch(transfer)
 
     def _kernel_sums(self, layers: range) -> bool:
         """Whether the kernel gives a store of ``layers`` the sums it needs: none (checksums
