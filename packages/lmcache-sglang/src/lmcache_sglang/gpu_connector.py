@@ -129,8 +129,9 @@ class SGLangKVConnector(LayerRangeConnector):
             self.kernels = self.kernel_transfer()
         self.rows: TokenRows | None = None
         """Every layer as one strided view (host pools whose layers share a buffer): chunks
-        whose slots are one run move with one copy each (:meth:`_runs`)."""
-        if self.kernels is None and self.device.type == "cpu":
+        whose slots are one run move with one copy each (:meth:`_runs`). Only for memory the
+        backend reaches without streams: a device's copies must run on the transfer's stream."""
+        if self.kernels is None and self.device.type == "cpu" and not self.backend.has_streams:
             self.rows = token_rows(self._layers, layout, self.page_size)
 
     def kernel_transfer(self) -> KernelTransfer | None:
