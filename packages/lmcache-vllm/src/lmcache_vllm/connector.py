@@ -11,7 +11,10 @@ or, with the ``vllm.general_plugins`` entry point installed (:mod:`lmcache_vllm.
 ``{"kv_connector": "LMCacheConnector", "kv_role": "kv_both"}``. Both support vLLM's hybrid KV
 cache manager (``SupportsHMA``: models with sliding-window layers keep it on). vLLM's in-tree name
 ``LMCacheConnectorV1`` (without a module path) reaches the same implementation through
-``lmcache.integration.vllm.vllm_v1_adapter``. This class is a thin delegate to
+``lmcache.integration.vllm.vllm_v1_adapter``. With several KV cache groups, on a vLLM that
+takes failed loads per request (``KVConnectorTransferResults.failed_recving``, found by feature),
+hits load asynchronously (``load_async=True``) and a failed load is reported per request
+(:mod:`lmcache_vllm.scheduler.async_loads`). This class is a thin delegate to
 :class:`lmcache_vllm.vllm_v1_adapter.LMCacheConnectorV1Impl`; unlike vLLM's in-tree wrapper it
 forwards everything; the in-tree wrapper gets the hooks it lacks from :mod:`lmcache_vllm.in_tree`.
 """
@@ -35,7 +38,23 @@ except ImportError:  # pragma: no cover - a vLLM without the hybrid manager's co
         pass
 
 
+try:  # vLLM's per-request report of failed loads (asynchronous loads with several KV groups)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - vLLM 0.26: block-level load errors only
+    KVConnectorTransferResults = None
+
 from lmcache_vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
+
+
+def _takes_failed_recving() -> bool:
+    """Whether this vLLM takes failed loads per request: ``KVConnectorTransferResults`` with
+    ``failed_recving``, returned by ``get_transfer_results``."""
+    fields = getattr(KVConnectorTransferResults, "__dataclass_fields__", {})
+    return "failed_recving" in fields and hasattr(KVConnectorBase_V1, "get_transfer_results")
+
+
+FAILED_RECVING = _takes_failed_recving()
+"""This vLLM takes failed loads per request (vLLM 0.32 has it, 0.26 not)."""
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,6 +66,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["LMCacheConnector", "LMCacheConnectorV1"]
@@ -61,6 +81,7 @@ class LMCacheConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """
 
     _lmcache_native = True  # the implementation needs no hooks attached (lmcache_vllm.in_tree)
+    _lmcache_failed_recving = FAILED_RECVING  # several groups: asynchronous loads
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -105,6 +126,13 @@ class LMCacheConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._impl.get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """``KVConnectorTransferResults``: asynchronous loads completed and failed (only with
+        several KV cache groups; vLLMs without the class never call this)."""
+        recving, failed = self._impl.get_transfer_results(finished_req_ids)
+        assert KVConnectorTransferResults is not None
+        return KVConnectorTransferResults(finished_recving=recving, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._impl.get_block_ids_with_load_errors()
 
@@ -143,12 +171,19 @@ class LMCacheConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._impl.get_num_new_matched_tokens(request, num_computed_tokens), False
+        matched = self._impl.get_num_new_matched_tokens(request, num_computed_tokens)
+        return matched, self._impl.loads_async(matched)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._impl.update_state_after_alloc(request, num_external_tokens)
+        self._impl.update_state_after_alloc(request, num_external_tokens, blocks)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._impl.update_connector_output(
+            getattr(connector_output, "finished_recving", None),
+            getattr(connector_output, "failed_recving", None),
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._impl.build_connector_meta(scheduler_output)

@@ -187,7 +187,12 @@ def group_load(group: KVGroup, load: LoadSpec, blocks: Sequence[int]) -> LoadSpe
 
 def _request_for(group: KVGroup, req: ReqMeta, chunk_size: int) -> ReqMeta:
     per_group = req.group_block_ids
-    blocks = list(per_group[group.index]) if per_group is not None else req.block_ids
+    if per_group is None:
+        blocks = req.block_ids
+    elif group.index < len(per_group):
+        blocks = list(per_group[group.index])
+    else:  # never from vLLM: no blocks, so a load of them fails its check
+        blocks = []
     load = group_load(group, req.load, blocks) if req.load is not None else None
     save = (
         group_save(group, req.save, blocks, req.computed_start, chunk_size)

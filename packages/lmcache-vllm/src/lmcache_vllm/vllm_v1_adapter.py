@@ -10,7 +10,10 @@ vLLM's in-tree ``LMCacheConnectorV1`` (imported through
 It holds a :class:`~lmcache_vllm.scheduler.side.SchedulerSide` or a
 :class:`~lmcache_vllm.worker.side.WorkerSide`, whose module docstrings walk through each step.
 With several KV cache groups (vLLM's hybrid KV cache manager) the worker holds a
-:class:`~lmcache_vllm.worker.grouped.GroupedWorkerSide`, one ``WorkerSide`` per group.
+:class:`~lmcache_vllm.worker.grouped.GroupedWorkerSide`, one ``WorkerSide`` per group, and loads
+are asynchronous so that a failed one is reported per request
+(:mod:`lmcache_vllm.scheduler.async_loads`); on a vLLM that cannot take that report, nothing is
+loaded for several groups.
 The two sides talk through the plain data of :mod:`lmcache_vllm.connector_metadata`.
 
 vLLM's in-tree wrapper forwards neither ``reset_cache``, nor the connector stats, nor
@@ -37,6 +40,7 @@ from lmcache_vllm.connector_metadata import (
 from lmcache_vllm.extra_config import extra_config_overrides, load_lmcache_config
 from lmcache_vllm.kv_groups import kv_groups
 from lmcache_vllm.lookup_sockets import engine_key
+from lmcache_vllm.scheduler.async_loads import NO_FAILED_RECVING, AsyncLoadsSchedulerSide
 from lmcache_vllm.scheduler.side import SchedulerSide
 from lmcache_vllm.utils import calculate_local_rank_and_world_size, get_vllm_torch_dev
 from lmcache_vllm.vllm_types import SchedulerOutput, SchedulerRequest, VllmConfig
@@ -132,11 +136,18 @@ class LMCacheConnectorV1Impl:
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | GroupedWorkerSide | None = None
         groups = kv_groups(kv_cache_config, int(vllm_config.cache_config.block_size))
+        # several groups: loads are asynchronous, failures reported per request, where vLLM
+        # takes that report (our class tells: ``_lmcache_failed_recving``)
+        self.async_loads = len(groups) > 1 and bool(
+            getattr(type(parent), "_lmcache_failed_recving", False)
+        )
         if self.is_scheduler:
             _, local_world = calculate_local_rank_and_world_size(vllm_config)
-            self.scheduler = SchedulerSide(
-                vllm_config, self.config, world, local_world, kv_cache_config
-            )
+            side = AsyncLoadsSchedulerSide if self.async_loads else SchedulerSide
+            self.scheduler = side(vllm_config, self.config, world, local_world, kv_cache_config)
+            if len(groups) > 1 and not self.async_loads and self.scheduler.loads_enabled:
+                self.scheduler.loads_enabled = False  # a failed load could not be recomputed
+                logger.warning(NO_FAILED_RECVING, len(groups))
         elif len(groups) > 1:  # vLLM's hybrid KV cache manager: one stream per group
             self.worker = GroupedWorkerSide(
                 vllm_config,
@@ -147,6 +158,7 @@ class LMCacheConnectorV1Impl:
                 self._metadata,
                 _add_live,
                 groups,
+                async_loads=self.async_loads,
             )
         else:
             self.worker = WorkerSide(
@@ -199,8 +211,29 @@ class LMCacheConnectorV1Impl:
         asks again at a later step)."""
         return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: SchedulerRequest, num_external_tokens: int) -> None:
-        self._scheduler_side().update_state_after_alloc(request, num_external_tokens)
+    def loads_async(self, num_matched: int | None) -> bool:
+        """vLLM's ``load_async`` flag for a hit of ``num_matched`` tokens: ``True`` for a hit
+        with several KV cache groups on a vLLM with ``failed_recving``."""
+        return bool(num_matched) and self.scheduler is not None and self.async_loads
+
+    def update_state_after_alloc(
+        self, request: SchedulerRequest, num_external_tokens: int, blocks: object = None
+    ) -> None:
+        """``blocks``: vLLM's ``KVCacheBlocks`` of the request (an asynchronous load writes
+        them; vLLM's in-tree wrapper does not pass them, and never has several groups)."""
+        side = self._scheduler_side()
+        if isinstance(side, AsyncLoadsSchedulerSide):
+            side.update_state_after_alloc(request, num_external_tokens, blocks)
+        else:
+            side.update_state_after_alloc(request, num_external_tokens)
+
+    def update_connector_output(
+        self, finished_recving: set[str] | None, failed_recving: set[str] | None
+    ) -> None:
+        """The workers' report of asynchronous loads (vLLM's ``KVConnectorOutput``)."""
+        side = self.scheduler
+        if isinstance(side, AsyncLoadsSchedulerSide):
+            side.update_connector_output(finished_recving or (), failed_recving or ())
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMCacheConnectorMetadata:
         return self._scheduler_side().build_connector_meta(scheduler_output)
@@ -264,10 +297,23 @@ class LMCacheConnectorV1Impl:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(None, None)``: nothing is held for lmcache (saves fence block reuse instead,
-        loads are synchronous); finished requests' leases are released here."""
+        asynchronous loads are reported by :meth:`get_transfer_results`, which vLLM calls
+        instead where it has them); finished requests' leases are released here."""
         if self.worker is not None:
             self.worker.get_finished(finished_req_ids)
         return None, None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """:meth:`get_finished` (leases of finished requests), then the requests whose
+        asynchronous load is complete and those of them whose load failed (vLLM's
+        ``finished_recving`` and ``failed_recving``)."""
+        worker = self.worker
+        if worker is None:
+            return set(), set()
+        worker.get_finished(finished_req_ids)
+        if isinstance(worker, GroupedWorkerSide):
+            return worker.take_transfer_results()
+        return set(), set()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()

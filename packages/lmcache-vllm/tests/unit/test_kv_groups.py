@@ -133,15 +133,31 @@ def test_split_metadata_gives_each_group_its_blocks_and_keeps_every_request():
 
 
 class _Native:
-    """Stands in for our connector class (``SupportsHMA``) holding vLLM's KV cache config."""
+    """Stands in for our connector class (``SupportsHMA``) holding vLLM's KV cache config, on a
+    vLLM that takes failed loads per request (``failed_recving``) unless told otherwise."""
 
     _lmcache_native = True
+    _lmcache_failed_recving = True
 
     def __init__(self, kv_cache_config: object) -> None:
         self._kv_cache_config = kv_cache_config
 
 
-def _impl(hit: int, *specs: object):
+class _NativeOnOldVllm(_Native):
+    _lmcache_failed_recving = False  # vLLM 0.26: block-level load errors only
+
+
+class _Blocks:
+    """vLLM's ``KVCacheBlocks``: every group's block ids."""
+
+    def __init__(self, *per_group: list[int]) -> None:
+        self.per_group = per_group
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple(list(b) for b in self.per_group)
+
+
+def _impl(hit: int, *specs: object, parent: type[_Native] = _Native):
     cfg = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(
             kv_role="kv_both", engine_id="e", kv_connector_extra_config={"lmcache.chunk_size": 64}
@@ -150,28 +166,43 @@ def _impl(hit: int, *specs: object):
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, rank=0),
         instance_id="i0",
     )
-    parent = _Native(_config(*specs))
-    impl = adapter.LMCacheConnectorV1Impl(cfg, SimpleNamespace(name="SCHEDULER"), parent)
+    impl = adapter.LMCacheConnectorV1Impl(
+        cfg, SimpleNamespace(name="SCHEDULER"), parent(_config(*specs))
+    )
     impl.scheduler.lookups.client = FakeClient(hit)
     return impl
 
 
 def test_scheduler_tracks_every_groups_blocks_and_aligns_hits_to_chunks():
+    """The hit ends on a chunk boundary and loads asynchronously into every group's blocks
+    (:mod:`lmcache_vllm.scheduler.async_loads`); the request's later steps track every group's
+    blocks and save after the hit."""
     impl = _impl(300, SlidingWindowSpec(), FullAttentionSpec())
     req = request("a", list(range(300)))
     ext = impl.get_num_new_matched_tokens(req, 0)
     assert ext == 256  # min(300, 299) on a chunk boundary (a block boundary would give 288)
-    impl.update_state_after_alloc(req, ext)
+    assert impl.loads_async(ext) and not impl.loads_async(0)
     per_group = ([0] * 13 + [1, 2, 3, 4], list(range(10, 29)))
+    impl.update_state_after_alloc(req, ext, _Blocks(*per_group))
+    (r,) = impl.build_connector_meta(sched_out()).requests  # the load; nothing scheduled
+    assert r.group_block_ids == [list(b) for b in per_group] and r.block_ids == per_group[0]
+    assert (
+        r.load == LoadSpec(0, 300, 256)
+        and r.save is None
+        and r.token_ids == req.prompt_token_ids[:300]
+    )
+    assert impl.build_connector_meta(sched_out()).requests == []  # sent once
+    impl.update_connector_output({"a"}, set())  # loaded: vLLM schedules it from the hit on
+    impl.update_state_after_alloc(req, 0, _Blocks(*per_group))
     new = SimpleNamespace(
         req_id="a", prompt_token_ids=req.prompt_token_ids, block_ids=per_group,
         num_computed_tokens=256,
     )  # fmt: skip
     out = sched_out([new])
     out.num_scheduled_tokens = {"a": 44}
-    (r,) = impl.build_connector_meta(out).requests
-    assert r.group_block_ids == [list(b) for b in per_group] and r.block_ids == per_group[0]
-    assert r.computed_start == 256 and r.load == LoadSpec(0, 300, 256)
+    # nothing to do: the loaded chunks are stored already, the 44-token tail is partial
+    assert impl.build_connector_meta(out).requests == []
+    assert impl.scheduler._trackers["a"].num_saved == 256
     # the next step allocates a block in each group
     cached = SimpleNamespace(
         req_ids=["a"], new_block_ids=[([5], [29])], num_computed_tokens=[300],
@@ -182,8 +213,31 @@ def test_scheduler_tracks_every_groups_blocks_and_aligns_hits_to_chunks():
     impl.build_connector_meta(out)
     tracker = impl.scheduler._trackers["a"]
     assert tracker.group_block_ids == [per_group[0] + [5], per_group[1] + [29]]
+    assert tracker.num_saved == 256
     assert impl.request_finished_all_groups(req, per_group) == (False, None)
     assert "a" not in impl.scheduler._trackers
+
+
+def test_without_failed_recving_several_groups_load_nothing(caplog):
+    """vLLM 0.26 cannot be told per request that a load failed, and raises on block-level
+    errors with several groups: no hit is reported (said once), every prompt is stored."""
+    with caplog.at_level("WARNING"):
+        impl = _impl(300, SlidingWindowSpec(), FullAttentionSpec(), parent=_NativeOnOldVllm)
+    assert [r.message for r in caplog.records].count(
+        caplog.records[0].message
+    ) == 1 and "failed_recving" in caplog.records[0].message
+    req = request("a", list(range(300)))
+    assert impl.get_num_new_matched_tokens(req, 0) == 0 and not impl.loads_async(0)
+    assert impl.scheduler.lookups.client.queries == []
+    impl.update_state_after_alloc(req, 0)
+    new = SimpleNamespace(
+        req_id="a", prompt_token_ids=req.prompt_token_ids,
+        block_ids=([1] * 19, list(range(10, 29))), num_computed_tokens=0,
+    )  # fmt: skip
+    out = sched_out([new])
+    out.num_scheduled_tokens = {"a": 300}
+    (r,) = impl.build_connector_meta(out).requests
+    assert r.load is None and r.save == SaveSpec(0, 256)
 
 
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])

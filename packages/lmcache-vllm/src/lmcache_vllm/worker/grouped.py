@@ -19,9 +19,12 @@ A model with a group lmcache cannot store (Mamba or linear-attention state, ...)
 at all: the scheduler side asks nothing and saves nothing for it
 (:data:`lmcache_vllm.kv_groups.UNSUPPORTED_GROUPS`).
 
-vLLM cannot take block-level load errors from a connector with several groups (it raises), so
-a stream's failed load is logged as an error and counted in ``failed_load_tokens`` instead.
-Loads of leased chunks do not fail in normal operation.
+vLLM cannot take block-level load errors from a connector with several groups (it raises). On
+a vLLM with ``failed_recving`` (``async_loads``) every load is asynchronous and its outcome is
+reported per request (:mod:`lmcache_vllm.worker.async_loads`): a request whose load failed or
+was short in any group is recomputed by vLLM. On an older vLLM the scheduler side loads nothing
+for several groups (:data:`lmcache_vllm.scheduler.async_loads.NO_FAILED_RECVING`), so no load
+can fail.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata
 from lmcache_vllm.kv_groups import KVGroup, group_tag, split_metadata, unsupported_kinds
 from lmcache_vllm.lookup_wire import LookupQuery
 from lmcache_vllm.vllm_types import VllmConfig
+from lmcache_vllm.worker.async_loads import AsyncLoads
 from lmcache_vllm.worker.lookup_server import LookupServer
 from lmcache_vllm.worker.side import WorkerSide
 
@@ -52,6 +56,12 @@ _ONCE_PER_REQUEST = frozenset(
 """Counters every stream counts for the same request: reported from the first full-attention
 stream only (the others' bytes and seconds add up)."""
 
+_ASYNC_COUNTED = frozenset(
+    {"loaded_tokens", "expected_load_tokens", "failed_load_tokens", "num_loads"}
+)
+"""With asynchronous loads, counted per request over every group (:class:`AsyncLoads`): a load
+is loaded only when every group's part arrived, and failed, whole, otherwise."""
+
 
 class GroupedWorkerSide:
     """One :class:`WorkerSide` per attention group of vLLM's KV cache (module docstring).
@@ -60,6 +70,8 @@ class GroupedWorkerSide:
         vllm_config, config, engine_key, world_size, rank, get_metadata, on_engine: As for
             :class:`WorkerSide`.
         groups: vLLM's KV cache groups (:func:`lmcache_vllm.kv_groups.kv_groups`).
+        async_loads: Every load is asynchronous, its outcome reported per request
+            (:meth:`take_transfer_results`); vLLM has ``failed_recving``.
     """
 
     def __init__(
@@ -72,6 +84,7 @@ class GroupedWorkerSide:
         get_metadata: Callable[[], object],
         on_engine: Callable[[LMCacheEngine], None] | None,
         groups: Sequence[KVGroup],
+        async_loads: bool = False,
     ) -> None:
         self.chunk_size = config.chunk_size
         self.engine_key, self.rank = engine_key, rank
@@ -105,6 +118,7 @@ class GroupedWorkerSide:
         self._primary = full[0] if full else 0
         self._lookup_server: LookupServer | None = None
         self._lost_errors = 0  # load errors vLLM could not be told of (logged)
+        self.async_loads = AsyncLoads(self.groups) if async_loads and self.streams else None
 
     # ------------------------------------------------------------------ registration
 
@@ -163,8 +177,24 @@ class GroupedWorkerSide:
             stream.handle_preemptions(view)
 
     def start_load_kv(self) -> None:
-        for stream in self.streams:
-            stream.start_load_kv()
+        """Each stream loads its group's part of the step's loads; with asynchronous loads, a
+        load whose metadata fails the check is taken out first, and a stream that raises fails
+        every load of the step (reported to vLLM, not raised)."""
+        tracker = self.async_loads
+        if tracker is None:
+            for stream in self.streams:
+                stream.start_load_kv()
+            return
+        meta = self._get_metadata()
+        if isinstance(meta, LMCacheConnectorMetadata):
+            ready = all(stream.lmcache_engine is not None for stream in self.streams)
+            tracker.start(meta, self._split(meta), ready)
+        try:
+            for stream in self.streams:
+                stream.start_load_kv()
+        except Exception as exc:
+            logger.exception("lmcache: a stream's loads failed")
+            tracker.fail_started(f"a stream raised {exc!r}")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         stream = self._by_layer.get(layer_name)
@@ -177,8 +207,26 @@ class GroupedWorkerSide:
             stream.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        for stream in self.streams:
-            stream.wait_for_save()
+        """Each stream finishes its loads and queues its saves; with asynchronous loads, the
+        outcome of every load started so far is then known (:meth:`AsyncLoads.settle`)."""
+        tracker = self.async_loads
+        try:
+            for stream in self.streams:
+                stream.wait_for_save()
+        except Exception:
+            if tracker is not None:  # some loads may not have finished: none is reported loaded
+                tracker.fail_started("a stream's wait_for_save raised")
+            raise
+        finally:
+            if tracker is not None and tracker.pending:
+                tracker.settle([stream.get_block_ids_with_load_errors() for stream in self.streams])
+
+    def take_transfer_results(self) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous load is complete (vLLM's ``finished_recving``) and
+        those of them whose load failed or was short in any group (``failed_recving``)."""
+        if self.async_loads is None:
+            return set(), set()
+        return self.async_loads.take()
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> None:
         ids = list(finished_req_ids)
@@ -191,13 +239,15 @@ class GroupedWorkerSide:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Always empty: vLLM raises on block-level load errors with several KV cache groups
-        (block ids are per group), so the streams' errors are logged instead."""
+        (block ids are per group). Failed asynchronous loads go to vLLM per request
+        (:meth:`take_transfer_results`); without them the scheduler sends no loads, so a
+        stream's error here is logged as what it is, a bug."""
         lost = set().union(*(stream.get_block_ids_with_load_errors() for stream in self.streams))
         if lost:
             self._lost_errors += len(lost)
             logger.error(
-                "lmcache: loads failed for %d blocks; vLLM cannot recompute them with several "
-                "KV cache groups, so the requests that hold them may produce wrong output",
+                "lmcache: loads failed for %d blocks outside any asynchronous load; vLLM cannot "
+                "take block-level errors with several KV cache groups",
                 len(lost),
             )
         return set()
@@ -205,10 +255,16 @@ class GroupedWorkerSide:
     def take_stats(self) -> dict[str, float] | None:
         """The streams' counters since the last call, each request counted once."""
         out: dict[str, float] = {}
+        tracker = self.async_loads
         for i, stream in enumerate(self.streams):
             for name, value in (stream.take_stats() or {}).items():
                 if name in _ONCE_PER_REQUEST and i != self._primary:
                     continue
+                if tracker is not None and name in _ASYNC_COUNTED:
+                    continue
+                out[name] = out.get(name, 0.0) + value
+        if tracker is not None:
+            for name, value in tracker.take_stats().items():
                 out[name] = out.get(name, 0.0) + value
         return out if any(out.values()) else None
 
