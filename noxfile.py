@@ -49,6 +49,7 @@ CORE_DEPS = [
     "prometheus-client>=0.20",
     "packaging>=23",
     "numpy>=1.24",
+    "msgspec>=0.18",
 ]
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3"]
 # What `nox -s build` compiles csrc/ with: the registry's CUDA 13.0 compiler, its headers and

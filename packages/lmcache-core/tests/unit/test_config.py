@@ -30,6 +30,9 @@ DEFAULTS = {
     "cache_salt": "",
     "checksum": None,
     "gpu_staging_buffer": True,
+    "node_cache": False,
+    "node_cache_dir": None,
+    "node_cache_autostart": True,
 }
 
 

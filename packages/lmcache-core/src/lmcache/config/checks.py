@@ -215,6 +215,14 @@ def check_value(key: str, value: Any, source: str) -> None:
         raise error(key, source, "a number of seconds > 0", value, "Use e.g. 1.0.")
     if key == "remote_ttl" and not (math.isfinite(value) and value >= 0):
         raise error(key, source, "a number of seconds >= 0 (0: no expiry)", value, "Use 0.")
+    if key == "node_cache_dir" and value is not None and not value.startswith("/"):
+        raise error(
+            key,
+            source,
+            "an absolute folder path, or null for /dev/shm/lmcache-<uid>",
+            value,
+            "Give an absolute path (every engine of the node must name the same one).",
+        )
     if key == "tier_timeout" and not (math.isfinite(value) and value >= 0):
         raise error(
             key, source, "a number of seconds >= 0 (0: no deadline)", value, "Use e.g. 5.0."
@@ -250,6 +258,15 @@ def check_combination(values: Mapping[str, Any], sources: Mapping[str, str]) -> 
             f"a size > 0 GB while local_disk is set (local_disk from {sources['local_disk']})",
             values["max_local_disk_size"],
             "Give the disk tier a budget such as 50.0, or unset local_disk.",
+        )
+    if values.get("node_cache") and not values["local_cpu"]:
+        raise error(
+            "node_cache",
+            sources["node_cache"],
+            f"false while local_cpu is false (local_cpu from {sources['local_cpu']}): the node "
+            "cache is the CPU tier shared by the node's engines",
+            True,
+            "Set local_cpu to true, or node_cache to false.",
         )
     lower = values["local_disk"] is not None or values["remote_url"] is not None
     if not values["local_cpu"] and lower and values["max_local_cpu_size"] <= 0:

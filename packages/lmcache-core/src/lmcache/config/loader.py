@@ -156,6 +156,22 @@ class LMCacheConfig:
     gpu_staging_buffer: bool = True
     """Gather KV into a GPU staging buffer and move it with one DMA copy per transfer."""
 
+    node_cache: bool = False
+    """Share one CPU tier among every engine process of the machine (the node cache, see
+    ``docs/node_cache.md``): chunks one process stores are hits for the others. The first
+    engine starts the node's owner process, whose arena is ``max_local_cpu_size`` (later
+    engines use the running owner's). ``false`` (the default) keeps one CPU tier per process.
+    Needs ``local_cpu``."""
+
+    node_cache_dir: str | None = None
+    """Folder of the node cache (its socket and shared memory file; created with mode 0700).
+    ``None``: ``/dev/shm/lmcache-<uid>``, else ``$XDG_RUNTIME_DIR/lmcache``. Engines that share
+    chunks must name the same folder."""
+
+    node_cache_autostart: bool = True
+    """Start the node cache owner (``python -m lmcache.node serve``) when none answers. ``false``
+    when an operator runs it as a service: engines then only connect."""
+
     def __post_init__(self) -> None:
         source = "LMCacheConfig(...) argument"
         for field in dataclasses.fields(self):

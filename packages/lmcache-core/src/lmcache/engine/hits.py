@@ -84,6 +84,8 @@ class HitReader:
         out: list[tuple[bytes, MemoryLease]] = []
         total, run = len(keys), 1
         lease_of = self._leaser(held)
+        # A tier whose every get is a round trip (the node tier) leases a run in one request.
+        get_many = getattr(self._tiers.tier, "get_many", None) if held is None else None
         try:
             while len(out) < total:
                 found = len(out)
@@ -91,6 +93,22 @@ class HitReader:
                     batch: Sequence[bytes] = keys[found : found + run]
                 except (TypeError, ValueError):  # raise only for a key the hit reaches
                     batch = _OneByOne(keys, found)
+                if get_many is not None and not isinstance(batch, _OneByOne):
+                    try:
+                        leases = get_many(batch, metrics=self._tiers.metrics)
+                    except Exception as exc:
+                        self._tiers.tier_error("get chunks", exc)
+                        return out
+                    for i, (key, lease) in enumerate(zip(batch, leases, strict=False), found):
+                        if lease.tensor.shape != shapes[i]:
+                            for rest in leases[i - found :]:
+                                rest.release()
+                            return out
+                        out.append((key, lease))
+                    if len(leases) < len(batch):
+                        return out
+                    run *= 2
+                    continue
                 for i, key in enumerate(batch, found):
                     lease = lease_of(key, shapes[i])
                     if lease is None:

@@ -9,6 +9,9 @@ models never see each other's chunks. Each engine passes its own metrics and its
 the owner of what it stores, so its counts are its own and ``LMCacheEngine.clear()`` drops only
 its own chunks.
 
+With ``node_cache`` the CPU tier is the node's instead (:class:`~lmcache.tiers.node_tier.NodeTier`:
+one per node cache folder and process, shared with every other engine process of the machine).
+
 The disk and remote tiers are process-wide too (:func:`process_lower_tiers`): one index per disk
 folder, one connection pool per Redis URL and namespace. They are closed at interpreter exit
 (queued writes get up to 10 s to land) or by :func:`reset_process_cpu_tiers`.
@@ -27,12 +30,14 @@ if TYPE_CHECKING:
     from lmcache.config import LMCacheConfig
     from lmcache.metrics import LMCacheMetrics
     from lmcache.tiers.lower_tier import LowerTier
+    from lmcache.tiers.node_tier import NodeTier
 
 __all__ = ["process_cpu_tier", "process_lower_tiers", "reset_process_cpu_tiers"]
 
 _lock = threading.Lock()
 _tiers: dict[int, CPUTier] = {}
 _lower: dict[tuple[object, ...], LowerTier] = {}
+_node: dict[str, NodeTier] = {}
 
 
 def process_cpu_tier(config: LMCacheConfig, metrics: LMCacheMetrics) -> CPUTier:
@@ -45,8 +50,15 @@ def process_cpu_tier(config: LMCacheConfig, metrics: LMCacheMetrics) -> CPUTier:
             (:class:`~lmcache.cache_engine.LMCacheEngine` always passes its own).
 
     Returns:
-        The same :class:`CPUTier` for every caller with the same budget.
+        The same :class:`CPUTier` for every caller with the same budget; with ``node_cache``
+        (and ``local_cpu``) the node tier of ``node_cache_dir``, for every caller naming it.
+
+    Raises:
+        lmcache.config.ConfigError: ``node_cache_dir`` is unusable (another user's folder, a
+            path too long for a socket).
     """
+    if config.node_cache and config.local_cpu:
+        return _node_tier(config, metrics)
     lower = config.local_disk is not None or config.remote_url is not None
     # With local_cpu off the pool only stages transfers to and from the lower tiers.
     budget = config.max_local_cpu_bytes if config.local_cpu or lower else 0
@@ -55,6 +67,34 @@ def process_cpu_tier(config: LMCacheConfig, metrics: LMCacheMetrics) -> CPUTier:
         if tier is None:
             tier = CPUTier(HostMemoryPool(budget), metrics)
             _tiers[budget] = tier
+        return tier
+
+
+def _node_tier(config: LMCacheConfig, metrics: LMCacheMetrics) -> NodeTier:
+    """The node tier of ``config``'s folder, connected (and its owner started, if allowed and
+    needed: up to 10 s at the first call, so the first requests find it)."""
+    from lmcache.config import ConfigError
+    from lmcache.devices import host_backend
+    from lmcache.node.arena import NodeCacheError, default_dir
+    from lmcache.node.client import NodeClient
+    from lmcache.tiers.node_tier import NodeTier
+
+    folder = config.node_cache_dir or str(default_dir())
+    with _lock:
+        tier = _node.get(folder)
+        if tier is None:
+            try:
+                client = NodeClient(
+                    folder,
+                    budget_bytes=config.max_local_cpu_bytes,
+                    autostart=config.node_cache_autostart,
+                    backend=host_backend(),
+                )
+            except NodeCacheError as exc:
+                raise ConfigError(f"lmcache config key 'node_cache_dir': {exc}") from None
+            client.connect(wait_s=10.0 if config.node_cache_autostart else 0.0)
+            tier = NodeTier(client, metrics)
+            _node[folder] = tier
         return tier
 
 
@@ -116,14 +156,19 @@ def _build_lower(config: LMCacheConfig, kind: object) -> LowerTier:
 
 def reset_process_cpu_tiers() -> None:
     """Forget every shared tier: empty the CPU ones, close the disk and remote ones (their
-    entries stay); for tests and for a process that resets lmcache."""
+    entries stay) and disconnect from node caches (whose chunks stay for the other processes);
+    for tests and for a process that resets lmcache."""
     with _lock:
         tiers = list(_tiers.values())
         _tiers.clear()
+        nodes = list(_node.values())
+        _node.clear()
         lower = list(_lower.values())
         _lower.clear()
     for tier in tiers:
         tier.clear()
+    for node in nodes:
+        node.close()
     for low in lower:
         low.close()
 
