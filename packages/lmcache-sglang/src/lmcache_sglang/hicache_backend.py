@@ -54,6 +54,7 @@ import torch
 from lmcache.gpu_connector import CreateGPUConnector
 from lmcache.metrics import LMCacheMetrics
 from lmcache.tiers import process_cpu_tier
+from lmcache_sglang.hicache_pools import PoolStores
 from lmcache_sglang.hook_config import ModelFacts, hook_config, log_start_line, model_facts
 from lmcache_sglang.kv_pools import build_metadata, host_pool_layers
 from lmcache_sglang.page_store import PageStore
@@ -365,6 +366,48 @@ class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
         n = next((i for i, page in enumerate(out) if page is None), len(out))
         return out[:n] + [None] * (len(keys) - n)  # a prefix: SGLang stops at the first miss
 
+    # -- hybrid models: extra host pools (HiCache v2, lmcache_sglang.hicache_pools) --------
+
+    _extra_pools: PoolStores | None = None
+
+    def _pools(self) -> PoolStores:
+        if self._extra_pools is None:
+            self._extra_pools = PoolStores(
+                self.config, self.facts, self.storage_config, self._namespace()
+            )
+        return self._extra_pools
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Store SGLang's extra host pool ``host_pool_name`` too: sliding-window KV and Mamba
+        state (:mod:`lmcache_sglang.hicache_pools`); the KV pool is the one already registered.
+
+        Raises:
+            KVLayoutError: a pool lmcache does not store (named in the error).
+        """
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._pools().register(host_pool, host_pool_name, self.mem_pool_host)
+
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
+    ) -> Any:
+        """The prefixes of ``keys`` whose KV and every pool of ``pool_transfers`` are stored
+        (SGLang's ``PoolTransferResult``, ``restorable_prefix_pages`` on 0.5.23)."""
+        try:
+            return self._pools().exists(self._store(), list(keys), list(pool_transfers or ()))
+        except Exception as exc:
+            self._miss("batch_exists_v2", exc)
+            from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+            return PoolTransferResult.empty()
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
+        """Load each pool's stored, verified pages into its host slots; per key, loaded."""
+        return self._pools().get(list(transfers or ()))
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
+        """Store each pool's host pages under its keys; per key, stored."""
+        return self._pools().set(list(transfers or ()))
+
     # -- lifecycle ------------------------------------------------------------------------
 
     def clear(self) -> None:
@@ -372,9 +415,11 @@ class LMCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
         stay)."""
         if self.store is not None:
             self.store.clear()
+        self._pools().clear()
 
     def close(self) -> None:
         """Wait (up to 10 s) for queued disk / remote writes, then close the connector."""
         if self.store is not None:
             self.store.flush(10.0)
             self.store.connector.close()
+        self._pools().close()

@@ -37,9 +37,10 @@ Load it with::
 - ``cancel_queued_load``, ``reset`` (quiesce; the stored pages stay, so a flushed radix tree is
   refilled from lmcache) and ``close``.
 
-Only full-attention KV pools (MHA, MLA) are cached; a KV pool lmcache cannot read (sliding
-window, Mamba, DeepSeek V4) stops start-up with an error naming it, and a lookup or offload that
-involves another pool is a miss. Any lmcache error in a hook is a miss (logged), never a request
+Only full-attention KV pools (MHA, MLA) are cached: a model whose cache has other components
+(sliding window, Mamba; :func:`~lmcache_sglang.hicache_pools.refuse_hybrid_linker`) or a KV pool
+lmcache cannot read (DeepSeek V4) stops start-up with an error naming them (the HiCache backend
+stores SWA and Mamba pools), and a lookup or offload that involves another pool is a miss. Any lmcache error in a hook is a miss (logged), never a request
 error: lookups return no hit, loads are refused before they start, offloads report failure.
 """
 
@@ -59,6 +60,7 @@ from lmcache.gpu_connector import CreateGPUConnector
 from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 from lmcache.metrics import LMCacheMetrics
 from lmcache.tiers import process_cpu_tier
+from lmcache_sglang.hicache_pools import refuse_hybrid_linker
 from lmcache_sglang.hook_config import (
     hook_config,
     log_start_line,
@@ -165,6 +167,7 @@ class LMCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is unty
         extra_config: Mapping[str, Any] | None = None,
         forward_stream: Any = None,
     ) -> None:
+        refuse_hybrid_linker(components)
         self.forward_stream = forward_stream
         self.page_size = int(params.page_size)
         self.store = build_page_store(server_args, params, extra_config, hook="linker_extra_config")

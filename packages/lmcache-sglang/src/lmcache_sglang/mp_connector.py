@@ -26,7 +26,9 @@ The flow SGLang drives:
   remote tier the config names (``local_disk``, ``remote_url``), which outlive the process.
 
 Only full-attention KV pools (MHA, MLA) are cached: with a Mamba or sliding-window component
-every lookup is a miss and nothing is stored (logged once). Every lmcache failure in a hook is a
+every lookup is a miss and nothing is stored (one warning naming them). SGLang's hybrid flow
+would need the window's tail and the Mamba state at the hit's end with each chunk
+(``device_indices_by_group``); the HiCache backend stores them (:mod:`.hicache_pools`). Every lmcache failure in a hook is a
 miss or a skipped store, never a request error.
 """
 
@@ -155,12 +157,17 @@ class UnifiedLMCacheMPConnector:
         self._lock = threading.Lock()
         self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="lmcache-sglang-store")
         names = {str(getattr(c, "name", c)).upper() for c in tree_components}
-        unsupported = names - {"FULL", "COMPONENTTYPE.FULL"}
-        if mamba_component is not None or sliding_window_size or unsupported:
+        names |= {"MAMBA"} if mamba_component is not None else set()
+        swa = {f"SWA (window {sliding_window_size})"} if sliding_window_size else set()
+        unsupported = (names - {"FULL", "COMPONENTTYPE.FULL"} - ({"SWA"} if swa else set())) | swa
+        if unsupported:
             logger.warning(
-                "lmcache: SGLang's cache has components lmcache does not store (%s); every "
-                "request runs without lmcache (lookups miss, nothing is stored).",
-                sorted(names) or "mamba/sliding window",
+                "lmcache (--enable-lmcache): this model's cache has %s beside full attention, "
+                "which lmcache does not store here, so lmcache is off for it: every lookup "
+                "misses and nothing is stored; SGLang computes every prompt (its own radix "
+                "cache still works). lmcache's HiCache backend stores SWA and Mamba pools "
+                "(--hicache-storage-backend dynamic with LMCacheHiCacheStorage).",
+                ", ".join(sorted(unsupported)),
             )
             return
         try:
