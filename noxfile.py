@@ -395,6 +395,7 @@ BENCHMARKS = {
     "tiers": "benchmarks/tiers.py",
     "hit_rate": "benchmarks/hit_rate.py",
     "lookup": "benchmarks/lookup.py",
+    "node_lookup": "benchmarks/node_lookup.py",
     "ttft": "benchmarks/vllm_ttft.py",
 }
 
@@ -406,7 +407,9 @@ def bench(session: nox.Session) -> None:
     ``tiers``: the disk/Redis tiers' GB/s next to raw file I/O and raw redis-py. ``hit_rate``:
     tokens hit by lmcache's eviction order against plain per-chunk LRU and an unbounded cache on
     a synthetic multi-turn trace (exits non-zero if lmcache falls below LRU). ``lookup``: p50/p99
-    of a lookup of a cached 32k-token prompt and of hashing it. ``ttft``: TTFT and
+    of a lookup of a cached 32k-token prompt and of hashing it. ``node_lookup``: the same lookups
+    and chunk reads through the node cache from a second process, beside a per-process tier and
+    memcpy. ``ttft``: TTFT and
     throughput on real vLLM CPU. ``nox -s bench -- NAME [args]`` runs one of them.
     """
     _install_vllm(session, ENGINE_VERSIONS["vllm"][0])

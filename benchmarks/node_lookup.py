@@ -7,17 +7,17 @@ writer process that stores, through its own node tier, a 32k-token prompt (128 c
 256 tokens, tiny chunks) with a real :class:`~lmcache.cache_engine.LMCacheEngine`, and ``--chunks``
 chunks of ``--chunk-mb`` MiB through the tier. This process then times, after a warm-up:
 
-Lookup rows (p50 / p99, beside the 0.2 ms target of issue 40), each also on a per-process
+Lookup rows (p50 / p99, beside the 0.2 ms target), each also on a per-process
 :class:`~lmcache.tiers.CPUTier` holding the same chunks (the default mode, for comparison):
 
 - ``missing(128 keys)``: one index query for the whole prompt (one request to the owner);
-- ``prefix lookup``: the engine's lookup of the CPU tier (:func:`lmcache.keys.present_prefix`:
+- ``prefix lookup``: the engine's lookup of the CPU tier (:func:`lmcache.tiers.prefix_query.present_prefix`:
   runs of 1, 2, 4, ... 128 keys, one request each);
 - ``engine.lookup`` and ``engine.lookup_and_lease`` of the whole prompt (what a vLLM worker runs:
   hashing, and for the lease one ``get`` per chunk; checksums off so no chunk bytes are read);
-- ``tier.get_many``: the same leases in one request (:meth:`NodeTier.get_many`, which the hit
-  path does not call yet; the per-process column is one ``get`` per chunk), and in runs of 1, 2,
-  4, ... keys (8 requests: what the hit path would do with ``get_many``).
+- ``tier.get_many``: the same leases in one request (:meth:`NodeTier.get_many`; the per-process
+  column is one ``get`` per chunk), and in runs of 1, 2, 4, ... keys (8 requests: what the hit
+  path does with a tier that has ``get_many``).
 
 Read rows (GB/s, beside ``memcpy``: ``torch.Tensor.copy_`` of as many private chunk-sized
 buffers into one destination, measured in the same run): ``get`` of every chunk (lease + xxh3 verification) and the
@@ -42,7 +42,7 @@ import torch
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.config import LMCacheConfig
 from lmcache.gpu_connector.interface import EngineInfo, TransferSpec
-from lmcache.keys import chunk_keys, present_prefix
+from lmcache.keys import chunk_keys
 from lmcache.memory import HostMemoryPool, MemoryLease
 from lmcache.metadata import LMCacheMetadata
 from lmcache.metrics import LMCacheMetrics
@@ -51,6 +51,7 @@ from lmcache.testing.node_owner import NodeOwner, python_child
 from lmcache.tiers import CPUTier, process_cpu_tier, reset_process_cpu_tiers
 from lmcache.tiers.cpu_tier import tensor_checksum
 from lmcache.tiers.node_tier import NodeTier
+from lmcache.tiers.prefix_query import present_prefix
 
 TARGET_P99_MS = 0.2
 CS, TOKENS = 256, 32768

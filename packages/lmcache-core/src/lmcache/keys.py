@@ -38,7 +38,7 @@ from __future__ import annotations
 import operator
 import sys
 from array import array
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeAlias, overload
 
 import numpy as np
@@ -56,7 +56,6 @@ __all__ = [
     "chunk_keys",
     "chunk_ranges",
     "key_hex",
-    "present_prefix",
 ]
 
 KEY_FORMAT = b"lmcache-chunk-key-v1\0"
@@ -294,30 +293,6 @@ class KeyChain(Sequence[bytes]):
             packed = _pack(tokens[first * cs : end * cs], first * cs)
         self._run = memoryview(packed).cast("B")
         self._run_start, self._run_end = first, end
-
-
-def present_prefix(keys: Sequence[bytes], missing: Callable[[list[bytes]], list[int]]) -> int:
-    """How many leading ``keys`` are present, asking ``missing`` (positions of the absent ones
-    in a run of keys, e.g. :meth:`lmcache.tiers.CPUTier.missing`: one lock per call) about
-    runs of 1, 2, 4, ... keys up to the first absent one.
-
-    A lazy :class:`KeyChain` is hashed a run at a time: at most about twice as far as the
-    present prefix goes. A bad token id of a list in a run is read only if the answer needs
-    it: that run is then asked key by key.
-    """
-    found, run, total = 0, 1, len(keys)
-    while found < total:
-        try:
-            batch = list(keys[found : found + run])
-        except (TypeError, ValueError):  # a bad token id in the run: raise only if it counts
-            while found < total and not missing([keys[found]]):
-                found += 1
-            return found
-        absent = missing(batch)
-        if absent:
-            return found + absent[0]
-        found, run = found + len(batch), run * 2
-    return found
 
 
 def key_hex(key: bytes) -> str:

@@ -13,6 +13,8 @@
   :func:`~lmcache.testing.tiny_model.make_prompt`: a tiny random Llama (and its word-level
   tokenizer) written with ``transformers`` at test time, and prompts for it (re-exported by
   ``lmcache_vllm.testing`` and ``lmcache_sglang.testing``).
+- :mod:`lmcache.testing.node_owner`: a real node cache owner and engine child processes for
+  node cache tests (:mod:`lmcache.node`).
 
 Imported lazily, so ``import lmcache.testing`` does not import pytest (nor ``transformers``).
 """

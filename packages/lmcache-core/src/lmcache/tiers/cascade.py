@@ -41,10 +41,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lmcache.keys import present_prefix
 from lmcache.tiers.chunk_format import fingerprint_digest
 from lmcache.tiers.cpu_tier import CPUTier
 from lmcache.tiers.lower_tier import LowerTier, ReadRequest
+from lmcache.tiers.prefix_query import present_prefix
 
 if TYPE_CHECKING:
     from lmcache.memory import MemoryLease
@@ -142,11 +142,12 @@ def lower_presence(stack: TierStack, keys: Sequence[bytes]) -> list[list[bool]]:
 def stored_prefix(stack: TierStack, keys: Sequence[bytes]) -> int:
     """How many leading ``keys`` some tier holds: CPU first, then the lower tiers.
 
-    The CPU tier is asked in runs of keys up to its first miss (:func:`~lmcache.keys.
-    present_prefix`); the remaining keys go to each lower tier in one batched query; a key
+    The CPU tier is asked in runs of keys up to its first miss (:func:`~lmcache.tiers.
+    prefix_query.present_prefix`; the node cache in one query); the remaining keys go to each lower tier in one batched query; a key
     counts when any tier holds it. Nothing is verified or leased (see :func:`hit_run`).
     """
-    found = present_prefix(keys, lambda run: _cpu_missing(stack, run, "look up a chunk"))
+    at_once = bool(getattr(stack.cpu, "round_trips", False))  # a query is a round trip
+    found = present_prefix(keys, lambda r: _cpu_missing(stack, r, "look up a chunk"), at_once)
     if found == len(keys) or not stack.lower:
         return found
     rest = keys[found:]

@@ -72,6 +72,9 @@ class NodeTier(CPUTier):
         metrics: Counts evictions and checksum failures of calls that pass no ``metrics``.
     """
 
+    round_trips = True
+    """Each query is a request to the owner: a lookup asks about a whole chain at once."""
+
     def __init__(self, client: NodeClient, metrics: LMCacheMetrics) -> None:
         super().__init__(_NodeBudget(client), metrics)
         self.client = client
