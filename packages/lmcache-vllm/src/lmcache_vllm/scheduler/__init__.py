@@ -11,5 +11,7 @@ The lookup client (:mod:`~lmcache_vllm.scheduler.lookup_client`) asks every work
 leading tokens lmcache holds.
 It remembers the lookups it sent whole (:mod:`~lmcache_vllm.scheduler.sent_lookups`), so a
 lookup that vLLM asks again for a waiting request crosses the socket in a few bytes.
+With several KV cache groups every hit is loaded asynchronously
+(:mod:`~lmcache_vllm.scheduler.async_loads`): vLLM hears of a failed load per request.
 Nothing here touches the KV cache, and nothing here may raise into vLLM.
 """

@@ -5,6 +5,10 @@ Everything here runs in the worker process.
 vLLM's forward thread notes a step's saves at bind and queues their plan and their copy.
 The save queue's copy thread plans them and copies the KV out of vLLM's pages.
 Its commit thread publishes the chunks once the bytes are on the host.
+No save stores a chunk that a failed load of the step spoiled
+(:class:`~lmcache_vllm.worker.failed_loads.FailedLoads`). A save is cut before its plan when the
+failure is known by then (a synchronous load). When it is known only at the step's end (a load
+enqueued on CUDA), the save is copied but its commit is dropped.
 Layerwise saves go through :mod:`lmcache_vllm.worker.layerwise_step` instead.
 """
 
@@ -25,6 +29,7 @@ from lmcache.gpu_connector import TransferSpec
 from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, ReqMeta
 from lmcache_vllm.transfer.transfer_plan import save_mask, slot_mapping
 from lmcache_vllm.worker.counters import WorkerCounters
+from lmcache_vllm.worker.failed_loads import FailedLoads
 from lmcache_vllm.worker.save_queue import (
     CommitJob,
     CopyJob,
@@ -43,12 +48,14 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(eq=False)
 class _PlannedSave:
-    """One request's batched save this step; ``job``: its :class:`UnpublishedSaves` id."""
+    """One request's batched save this step; ``job``: its :class:`UnpublishedSaves` id;
+    ``spoiled``: a failed load of the step spoiled its KV (copied, never committed)."""
 
     req: ReqMeta
     tokens: list[int]
     job: int
     planned: PlannedStore | None = None
+    spoiled: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,6 +87,7 @@ class BatchedSaves:
         chunk_size: lmcache's chunk size in tokens.
         block_size: vLLM's block size in tokens.
         counters: Where finished saves are counted.
+        failed: What the step's failed loads spoiled (saves store none of it).
     """
 
     def __init__(
@@ -90,8 +98,11 @@ class BatchedSaves:
         chunk_size: int,
         block_size: int,
         counters: WorkerCounters,
+        failed: FailedLoads | None = None,
     ) -> None:
         self._saves = saves
+        # none given: a record of its own, which no load marks
+        self._failed = FailedLoads(block_size, chunk_size) if failed is None else failed
         self._unpublished = unpublished
         self._store_lock = store_lock
         self.chunk_size = chunk_size
@@ -144,9 +155,10 @@ class BatchedSaves:
             return
         saves = []
         for req in reqs:
-            if req.save is not None:
-                tokens = req.token_ids[: req.save.end]
-                saves.append(_PlannedSave(req, tokens, self._unpublished.add(req.salt, tokens)))
+            kept = self._failed.allowed(req)  # what a failed load of their last step spared
+            if kept is not None and kept.save is not None:
+                tokens = kept.token_ids[: kept.save.end]
+                saves.append(_PlannedSave(kept, tokens, self._unpublished.add(kept.salt, tokens)))
         if not saves:
             return
         step = _StepSaves(saves, queued=True)
@@ -169,7 +181,21 @@ class BatchedSaves:
         if step is None or step.queued or engine is None:
             return
         step.queued = True
+        self._cut(step)
         self._saves.submit(step.label, partial(self._plan_job, engine, step))
+
+    def _cut(self, step: _StepSaves) -> None:
+        """Cut each save of ``step`` to what the failed loads known so far spared."""
+        kept = []
+        for save in step.saves:
+            allowed = self._failed.allowed(save.req)
+            if allowed is None or allowed.save is None:
+                self._unpublished.done(save.job)
+                continue
+            if allowed is not save.req:
+                save.req, save.tokens = allowed, save.tokens[: allowed.save.end]
+            kept.append(save)
+        step.saves = kept
 
     def _plan_job(self, engine: LMCacheEngine, step: _StepSaves) -> None:
         """Copy thread: plan every save of ``step`` (one failing drops only that one), then
@@ -242,6 +268,8 @@ class BatchedSaves:
             if cuda and self._saves.gate.waiting:  # commits wait for a forward in flight
                 self._saves.gate.forward_enqueued(self._forward_event())
             return
+        for save in step.saves:  # a load enqueued on the device may have failed since the plan
+            save.spoiled = self._failed.spoils(save.req, len(save.tokens))
         ready = self._forward_event() if cuda else None
         if ready is not None:
             self._saves.gate.forward_enqueued(ready)
@@ -262,6 +290,11 @@ class BatchedSaves:
             batch, spec, live = step.batch, step.spec, step.live
             if batch is None or spec is None:
                 return None  # the plan failed (logged): nothing to copy
+            if all(save.spoiled for save in live):  # nothing to commit: nothing to copy
+                batch.abort()
+                for save in live:
+                    self._unpublished.done(save.job)
+                return None
             started = time.perf_counter()
             copied: Any = None  # CUDA: the event after the copy to the host
             try:
@@ -299,6 +332,10 @@ class BatchedSaves:
                         self._unpublished.done(save.job)
                     raise
                 for save, st in zip(live, staged, strict=True):
+                    if save.spoiled:  # copied with the batch: its buffers go back unpublished
+                        st.abort()
+                        self._unpublished.done(save.job)
+                        continue
                     try:
                         stored = st.commit()
                     except Exception:

@@ -22,6 +22,12 @@ With ``use_layerwise``:
   a layer's bytes to reach the host. The step's end queues the commit, which sleeps until the
   last layer's copy is on the host, then checksums and publishes: chunks of a layerwise save
   become visible only then.
+- **Saves never store what a failed load spoiled.** A save is cut to the chunks that end
+  before the first token a failed load left unfilled, as far as the step knows when the
+  forward saves its first layer (:class:`~lmcache_vllm.worker.failed_loads.FailedLoads`). A load's checksums
+  are known only at the step's end, with its layers' copies already queued: the step's end
+  waits for its loads first, then drops (and releases) instead of committing each save that
+  a failed load spoiled.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,10 +43,12 @@ import torch
 from lmcache.devices import DeviceBackend, get_backend
 from lmcache.gpu_connector import TransferSpec
 from lmcache_vllm.connector_metadata import ReqMeta
+from lmcache_vllm.transfer.transfer_plan import save_mask, slot_mapping
+from lmcache_vllm.worker.failed_loads import FailedLoads
 from lmcache_vllm.worker.save_queue import CommitJob, ReadFence, SaveQueue
 
 if TYPE_CHECKING:
-    from lmcache.cache_engine import HeldHit, LayerwiseRetrieve, LayerwiseStore
+    from lmcache.cache_engine import HeldHit, LayerwiseRetrieve, LayerwiseStore, LMCacheEngine
 
 __all__ = ["LayerwiseStep", "PendingSave", "layer_groups"]
 
@@ -104,6 +113,7 @@ class LayerwiseStep:
         on_load_failed: Called with a request whose load failed (its blocks become load errors).
         on_chunks_rejected: Called with a request, its final load mask and the tokens lost,
             when chunks failed their checksum at the end of the load.
+        failed: What failed loads spoiled (the step's saves store none of it).
     """
 
     def __init__(
@@ -115,6 +125,7 @@ class LayerwiseStep:
         on_load_failed: Callable[[ReqMeta], None],
         backend: DeviceBackend | None = None,
         on_chunks_rejected: Callable[[ReqMeta, torch.Tensor, int], None] | None = None,
+        failed: FailedLoads | None = None,
     ) -> None:
         self._load_lock = load_lock
         self._store_lock = store_lock
@@ -124,6 +135,8 @@ class LayerwiseStep:
         self._device = device
         self._on_load_failed = on_load_failed
         self._on_chunks_rejected = on_chunks_rejected
+        # none given: a record of its own, which no load marks
+        self._failed = FailedLoads(1, 1) if failed is None else failed
         self._loads: list[tuple[ReqMeta, LayerwiseRetrieve, HeldHit | None]] = []
         self._layer_ready: dict[int, Any] = {}  # layer -> CUDA event after its loads
         self._saving: list[PendingSave] = []
@@ -190,6 +203,33 @@ class LayerwiseStep:
         self.saves_started = True
         self._saving += saves
 
+    def plan_saves(
+        self,
+        engine: LMCacheEngine,
+        requests: Sequence[ReqMeta],
+        chunk_size: int,
+        block_size: int,
+        on_done: Callable[[str, list[int]], Callable[[int | None], None]],
+    ) -> None:
+        """Drive the stores of ``requests`` that save this step, each cut to what the failed
+        loads known so far spared; ``on_done(salt, tokens)`` gives each its ``on_done``."""
+        saves = []
+        for req in requests:
+            kept = self._failed.allowed(req)
+            if kept is None or kept.save is None:
+                continue
+            tokens = kept.token_ids[: kept.save.end]
+            begin = partial(
+                engine.store_layerwise,
+                tokens,
+                save_mask(len(tokens), kept.save.skip, chunk_size),
+                salt=kept.salt,
+                extra_keys=kept.extra_keys or None,
+            )  # leases its buffers on the save thread, not in the forward
+            slots = slot_mapping(kept.block_ids, block_size, len(tokens))
+            saves.append(PendingSave(kept, slots, begin, on_done(kept.salt, tokens)))
+        self.start_saves(saves)
+
     def save_layer(self, layer: int) -> None:
         """Queue the copy of ``layer`` of every pending save (returns at once)."""
         if not self._saving:
@@ -251,6 +291,19 @@ class LayerwiseStep:
                 self._backend.stream_synchronize(self.store_stream)
             save.storer.abort()
 
+    def _drop_job(self, save: PendingSave) -> Callable[[], None]:
+        """A failed load spoiled ``save``'s KV: release its buffers (after the copies queued
+        before this job) and publish nothing."""
+
+        def _drop_spoiled() -> None:
+            if save.failed:
+                return  # a copy failed: dropped already
+            save.failed = True
+            self._drop(save)
+            save.on_done(None)
+
+        return _drop_spoiled
+
     def _commit_job(self, save: PendingSave) -> Callable[[], CommitJob | None]:
         def _queue_commit() -> CommitJob | None:
             storer = save.storer
@@ -283,11 +336,19 @@ class LayerwiseStep:
     # ------------------------------------------------------------------ step end
 
     def finish(self) -> None:
-        """End of step: queue the saves' commits, wait for the loads, release their leases."""
+        """End of step: wait for the loads, release their leases, then queue the saves'
+        commits. A save whose KV a failed load spoiled is dropped instead: the loads' outcome
+        must be known before any commit is queued."""
+        self._finish_loads()
         for save in self._saving:
-            self._saves.submit(save.req.req_id, self._commit_job(save))
+            spoiled = self._failed.spoils(save.req, len(save.slots))
+            job = self._drop_job(save) if spoiled else self._commit_job(save)
+            self._saves.submit(save.req.req_id, job)
         self._saving = []
         self.saves_started = False
+
+    def _finish_loads(self) -> None:
+        """Wait for the step's loads, note the chunks that failed, release their leases."""
         if self._loads and self._cuda:
             self._backend.stream_synchronize(
                 self.load_stream

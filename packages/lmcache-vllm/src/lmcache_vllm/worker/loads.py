@@ -5,7 +5,12 @@ vLLM's forward thread runs them at ``start_load_kv``.
 On the CPU a load is one synchronous retrieve.
 On CUDA, and layerwise, a load only starts a layerwise retrieve, which
 :mod:`lmcache_vllm.worker.layerwise_step` drives.
-Tokens that did not arrive make their blocks load errors, which vLLM recomputes.
+Tokens that did not arrive make their blocks load errors. vLLM hears of them after the step:
+per block with one KV cache group, per request with asynchronous loads
+(:mod:`lmcache_vllm.worker.async_loads`). It recomputes or fails the request, as its
+``kv_load_failure_policy`` says. Each failure is also noted
+(:mod:`~lmcache_vllm.worker.failed_loads`), so that no save stores KV computed over the unfilled
+blocks.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import torch
 
 from lmcache.cache_engine import LMCacheEngine
 from lmcache_vllm.connector_metadata import ReqMeta
-from lmcache_vllm.transfer.transfer_plan import load_outcome, load_plan
+from lmcache_vllm.transfer.transfer_plan import LoadOutcome, load_outcome, load_plan
 from lmcache_vllm.worker.counters import WorkerCounters
+from lmcache_vllm.worker.failed_loads import FailedLoads
 from lmcache_vllm.worker.hit_prefetch import HitPrefetcher
 from lmcache_vllm.worker.lookup_leases import LookedUp
 
@@ -59,6 +65,7 @@ class RequestLoads:
         self.layerwise = layerwise
         self.asynchronous = False  # CUDA: batched loads are enqueued, not waited for
         self.errors: set[int] = set()
+        self.failed = FailedLoads(block_size, chunk_size)  # what the saves may not store
         self._load_lock = load_lock
         self._counters = counters
         self._prefetcher = prefetcher
@@ -78,15 +85,24 @@ class RequestLoads:
             self._counters.stats.failed_load_tokens += outcome.failed
             self._counters.stats.num_loads += 1
         if outcome.bad_blocks:
-            self.errors.update(outcome.bad_blocks)
+            self._failed(req, outcome)
             logger.warning(
-                "lmcache: request %s loaded %d of %d tokens; blocks %s reported to vLLM as load "
-                "errors",
+                "lmcache: request %s loaded %d of %d tokens; blocks %s did not load (vLLM "
+                "recomputes or fails the request, as kv_load_failure_policy says)",
                 req.req_id,
                 outcome.loaded,
                 outcome.expected,
                 outcome.bad_blocks,
             )
+
+    def _failed(self, req: ReqMeta, outcome: LoadOutcome) -> None:
+        """The blocks of ``req`` from its first token not loaded on are load errors, and no
+        save stores KV computed over them."""
+        assert req.load is not None  # load_outcome() needs it
+        if not outcome.bad_blocks:
+            return  # what failed lies past what vLLM was promised: it computes that anyway
+        self.errors.update(outcome.bad_blocks)
+        self.failed.failed(req, req.load.load_end - outcome.failed, outcome.bad_blocks)
 
     def load(
         self,
@@ -158,10 +174,10 @@ class RequestLoads:
         with self._counters.lock:
             self._counters.stats.loaded_tokens -= lost
             self._counters.stats.failed_load_tokens += lost
-        self.errors.update(outcome.bad_blocks)
+        self._failed(req, outcome)
         logger.warning(
-            "lmcache: request %s: %d loaded tokens failed their checksum; blocks %s reported "
-            "to vLLM as load errors",
+            "lmcache: request %s: %d loaded tokens failed their checksum; blocks %s did not "
+            "load (vLLM recomputes or fails the request, as kv_load_failure_policy says)",
             req.req_id,
             lost,
             outcome.bad_blocks,
@@ -173,3 +189,4 @@ class RequestLoads:
         if load is not None:
             first, end = load.vllm_cached // self.block_size, -(-load.load_end // self.block_size)
             self.errors.update(req.block_ids[first:end])
+            self.failed.failed(req, load.vllm_cached, req.block_ids[first:end])

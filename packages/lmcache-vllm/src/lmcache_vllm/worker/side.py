@@ -14,7 +14,8 @@ vLLM keeps one worker-side connector per worker process. Per step:
    lookup (:mod:`lmcache_vllm.worker.lookup_leases`). On CUDA the copies go on a load stream and
    the compute stream waits for them on the device. The host waits for them only in
    ``wait_for_save``, after the forward is enqueued. On the CPU each load is one synchronous
-   ``LMCacheEngine.retrieve``. Tokens that do not arrive make their blocks load errors.
+   ``LMCacheEngine.retrieve``. Tokens that do not arrive make their blocks load errors, and no
+   save stores KV computed over them (:mod:`~lmcache_vllm.worker.failed_loads`).
 4. At the forward's last layer (:meth:`WorkerSide.save_kv_layer`) the planning of this step's
    saves is queued on the copy thread: chunk keys, host buffers, one copy plan for all of them.
 5. :meth:`WorkerSide.wait_for_save` queues the step's one copy of every planned save on the
@@ -42,7 +43,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,13 +57,12 @@ from lmcache_vllm.connector_metadata import (
     WorkerStats,
 )
 from lmcache_vllm.lookup_wire import LookupQuery
-from lmcache_vllm.transfer.transfer_plan import save_mask, slot_mapping
 from lmcache_vllm.vllm_types import VllmConfig
 from lmcache_vllm.worker.batched_saves import BatchedSaves
 from lmcache_vllm.worker.counters import WorkerCounters
 from lmcache_vllm.worker.hit_prefetch import HitPrefetcher
 from lmcache_vllm.worker.kv_registration import build_engine, order_caches
-from lmcache_vllm.worker.layerwise_step import LayerwiseStep, PendingSave
+from lmcache_vllm.worker.layerwise_step import LayerwiseStep
 from lmcache_vllm.worker.loads import RequestLoads
 from lmcache_vllm.worker.lookup_leases import LookedUp, LookupLeases
 from lmcache_vllm.worker.lookup_server import LookupServer
@@ -144,14 +143,6 @@ class WorkerSide:
         self._leases = LookupLeases()
         self._saves = SaveQueue(f"lmcache-save-rank{rank}")
         self._unpublished = UnpublishedSaves(self.chunk_size)
-        self._batched = BatchedSaves(
-            self._saves,
-            self._unpublished,
-            self._store_lock,
-            self.chunk_size,
-            self.block_size,
-            self._counters,
-        )
         self.prefetcher = HitPrefetcher(self.chunk_size, config.use_layerwise)
         self._loads = RequestLoads(
             self.chunk_size,
@@ -160,6 +151,15 @@ class WorkerSide:
             self._load_lock,
             self._counters,
             self.prefetcher,
+        )
+        self._batched = BatchedSaves(
+            self._saves,
+            self._unpublished,
+            self._store_lock,
+            self.chunk_size,
+            self.block_size,
+            self._counters,
+            self._loads.failed,
         )
 
     # ------------------------------------------------------------------ registration
@@ -202,6 +202,7 @@ class WorkerSide:
             self._loads.fail_whole,
             self._backend,
             on_chunks_rejected=self._loads.chunks_rejected,
+            failed=self._loads.failed,
         )
         self._layer_ids = {n: i for i, n in enumerate(names)}
         self._loads.asynchronous = self._backend.has_streams
@@ -271,6 +272,7 @@ class WorkerSide:
         self._batched.drop_planned()
         if not isinstance(meta, LMCacheConnectorMetadata):
             return
+        self._loads.failed.begin_step(meta)  # after the last step's loads are known
         if not self.config.use_layerwise:
             self._batched.note(meta)
         expired = self._leases.expire()
@@ -365,21 +367,8 @@ class WorkerSide:
             return
         if not step.saves_started:
             meta = self._meta()
-            saves = []
-            for req in meta.requests if meta is not None else []:
-                if req.save is None:
-                    continue
-                tokens = req.token_ids[: req.save.end]
-                begin = partial(
-                    engine.store_layerwise,
-                    tokens,
-                    save_mask(len(tokens), req.save.skip, self.chunk_size),
-                    salt=req.salt,
-                    extra_keys=req.extra_keys or None,
-                )  # leases its buffers on the save thread, not in the forward
-                slots = slot_mapping(req.block_ids, self.block_size, len(tokens))
-                saves.append(PendingSave(req, slots, begin, self._save_done(req.salt, tokens)))
-            step.start_saves(saves)
+            reqs = meta.requests if meta is not None else []
+            step.plan_saves(engine, reqs, self.chunk_size, self.block_size, self._save_done)
         step.save_layer(layer)
 
     def _save_done(self, salt: str, tokens: list[int]) -> Callable[[int | None], None]:
@@ -407,7 +396,9 @@ class WorkerSide:
         """Release the leases of finished (or aborted) requests, also those a lookup still in
         flight for one of them takes later (:meth:`LookupLeases.finish`); nothing is ever reported
         as finished sending (blocks are freed at once: :meth:`bind` fences their reuse)."""
-        self._leases.finish(finished_req_ids)
+        ids = list(finished_req_ids)
+        self._leases.finish(ids)
+        self._loads.failed.end(ids)
 
     @property
     def held_leases(self) -> int:
