@@ -211,7 +211,16 @@ def _install_detail() -> None:
         _wrap_inner(page_store.HeldPages, name, f"HeldPages.{name}")
     for name in ("stored_prefix", "hit_run", "keys_to_store", "publish", "write_through"):
         _wrap_inner(cascade, name, f"cascade.{name}")
-    for name in ("allocate", "allocate_many", "checksums", "get", "put", "touch_many", "missing"):
+    for name in (
+        "allocate",
+        "allocate_many",
+        "checksums",
+        "get",
+        "get_many",
+        "put",
+        "touch_many",
+        "missing",
+    ):
         _wrap_inner(CPUTier, name, f"CPUTier.{name}")
     for name in ("from_gpu", "to_gpu", "synchronize"):
         _wrap_inner(SGLangKVConnector, name, f"connector.{name}")

@@ -430,7 +430,7 @@ def test_failing_tier_is_a_counted_miss(monkeypatch: pytest.MonkeyPatch) -> None
     def broken(*args: object, **kwargs: object) -> None:
         raise OSError("tier down")
 
-    for method in ("get", "contains", "missing", "touch", "touch_many"):
+    for method in ("get", "get_many", "contains", "missing", "touch", "touch_many"):
         monkeypatch.setattr(s.engine.tier, method, broken)
     assert s.engine.lookup(tokens) == 0
     with s.engine.lookup_and_lease(tokens) as hit:

@@ -33,8 +33,9 @@ device computed of each page with its bytes (``MemoryLease.checksum``), so the h
 nothing. Such a page is not verified when it is held: :meth:`PageStore.load` hands its sum to the
 connector, which checks the staged bytes and writes only the pages that match, in one pass.
 A page that fails is counted in ``checksum_failures``, dropped from the CPU tier and never
-reported as loaded. Other connectors (a CPU pool) hash each page on the host at store and verify
-it when it is held. Pages read from disk or Redis are verified by their tier when read.
+reported as loaded. Other connectors (a CPU pool) hash each page on the host at store (one batch
+per store) and verify it when it is held (one batch per hit: :mod:`lmcache_sglang.held_pages`).
+Pages read from disk or Redis are verified by their tier when read.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import xxhash
@@ -56,6 +56,7 @@ from lmcache.memory import MemoryLease
 from lmcache.metadata import LMCacheMetadata
 from lmcache.metrics import LMCacheMetrics
 from lmcache.tiers import CPUTier, LowerTier, cascade, process_lower_tiers
+from lmcache_sglang.held_pages import HeldPages, hit_run
 
 __all__ = ["PAGE_KEY_FORMAT", "HeldPages", "PageStore"]
 
@@ -63,35 +64,6 @@ logger = logging.getLogger(__name__)
 
 PAGE_KEY_FORMAT = b"lmcache-sglang-page-v1\0"
 """Domain tag of page keys."""
-
-
-@dataclass
-class HeldPages:
-    """Leases on a run of stored pages, in page order, and their tier keys; release when done.
-
-    Each page was verified when it was held, or carries the sum its device computed
-    (``lease.checksum``), which the connector verifies when :meth:`PageStore.load` writes it.
-    """
-
-    leases: list[MemoryLease]
-    keys: list[bytes] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.leases)
-
-    def release(self) -> None:
-        """Release every lease not released yet (idempotent)."""
-        for lease in self.leases:
-            if not lease.released:
-                lease.release()
-
-    def chunks(self, page_size: int) -> list[ChunkTransfer]:
-        """The pages as chunks of a request whose tokens are these pages in order, each with
-        the device sum it carries (``None``: none to verify at load)."""
-        return [
-            ChunkTransfer(i * page_size, (i + 1) * page_size, lease.tensor, lease.checksum)
-            for i, lease in enumerate(self.leases)
-        ]
 
 
 class PageStore:
@@ -207,15 +179,15 @@ class PageStore:
 
         Pages in the CPU tier that carry a device sum are left for the connector to verify when
         :meth:`load` writes them (when it verifies on the device; otherwise they are hashed
-        here). Other CPU-tier pages have their checksum verified now. Pages found only on disk
+        here). Other CPU-tier pages have their checksum verified now, the run's in one batch
+        (:func:`lmcache_sglang.held_pages.hit_run`). Pages found only on disk
         or in Redis are read into CPU-tier buffers and verified (header, key, model
         fingerprint, geometry, checksum), and promoted into the CPU tier when ``local_cpu``.
         The first missing or corrupt page ends the run. The pages cannot be evicted until
         :meth:`HeldPages.release`.
         """
         keys = [self.key(h) for h in page_hashes]
-        shape = self._shape()
-        leases = cascade.hit_run(self.tiers, keys, [shape] * len(keys), self.metadata.kv_dtype)
+        leases = hit_run(self.tiers, keys, self._shape(), self.metadata.kv_dtype)
         if not self.connector.verifies_checksums:  # no device here will check the sums
             bad = next(
                 (

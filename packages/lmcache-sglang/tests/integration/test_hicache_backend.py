@@ -187,6 +187,49 @@ def test_corrupted_stored_bytes_are_never_loaded() -> None:
     assert backend.batch_exists(keys) == 1  # the corrupt page was dropped
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["zero_copy", "flat"])
+def test_a_corrupt_page_in_a_batch_ends_the_hit_there(flat: bool) -> None:
+    """A batch's pages are verified in one batch of checksums: the pages before a corrupt one
+    load, it and every page after it are not reported (nor written), it alone is dropped."""
+    device = _device_pool(False)
+    src, dst = _host_pool(device, "page_first"), _host_pool(device, "page_first")
+    _random_fill(src)
+    _random_fill(dst)
+    writer = _backend(src, mla=False)
+    keys = _keys(6, seed=9)
+    assert writer.batch_set_v1(keys, _indices([1, 2, 3, 4, 5, 6])) == [True] * 6
+    held = writer.store.hold([keys[3]])
+    held.leases[0].tensor.view(torch.uint8)[-1, -1, -8:] ^= 0x5A  # the page's last bytes
+    held.release()
+    before = dst.kv_buffer.clone()
+    reader = _backend(dst, mla=False, interface_v1=0 if flat else 1)
+    if flat:
+        targets = [dst.get_dummy_flat_data_page() for _ in keys]
+        pages = reader.batch_get(keys, targets)
+        assert [p is not None for p in pages] == [True] * 3 + [False] * 3
+        for i, page in enumerate(pages[:3]):
+            dst.set_from_flat_data_page((10 + i) * PAGE, page)
+        _assert_pages_equal(src, [1, 2, 3], dst, [10, 11, 12])
+    else:
+        assert (
+            reader.batch_get_v1(keys, _indices([10, 11, 12, 13, 14, 15]))
+            == [True] * 3 + [False] * 3
+        )
+        _assert_pages_equal(src, [1, 2, 3], dst, [10, 11, 12])
+        rest = slice(13 * PAGE, 16 * PAGE)  # page_first: [2, slots, layers, H, D]
+        assert torch.equal(dst.kv_buffer[:, rest], before[:, rest])
+    store = reader.store
+    assert store.metrics.value("checksum_failures") == 1
+    assert store.metrics.value("loaded_chunks") == 3
+    assert reader.batch_exists(keys) == 3  # the corrupt page was dropped ...
+    assert reader.batch_exists(keys[4:]) == 2  # ... and only it
+    for key in keys[4:]:  # the batch's shares on the pages after it were released
+        with store.tier.get(store.key(key)) as lease:  # type: ignore[union-attr]
+            assert lease.ref_count == 2  # the tier's and this one
+    assert reader.batch_get_v1(keys[4:], _indices([14, 15])) == [True, True]
+    _assert_pages_equal(src, [5, 6], dst, [14, 15])
+
+
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize(
     ("src_layout", "dst_layout"),

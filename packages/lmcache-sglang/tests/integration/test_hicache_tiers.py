@@ -126,3 +126,26 @@ def test_clear_drops_the_pages_from_disk(tmp_path: Path) -> None:
     assert backend.batch_exists(keys) == 0
     _restart()
     assert _backend(host, mla=False, **_disk_config(tmp_path)).batch_exists(keys) == 0
+
+
+def test_a_corrupt_cpu_page_comes_back_from_disk_intact(tmp_path: Path) -> None:
+    """The batched verification of a hit's CPU-tier pages stops at a corrupt page; the hit then
+    goes on below, as before: the page comes from the disk tier, verified, and the pages after it
+    from the CPU tier."""
+    device = _device_pool(False)
+    src, dst = _host_pool(device, "page_first"), _host_pool(device, "page_first")
+    _random_fill(src)
+    _random_fill(dst)
+    keys = _keys(5, seed=15)
+    backend = _backend(src, mla=False, **_disk_config(tmp_path))
+    assert backend.batch_set_v1(keys, _indices([1, 2, 3, 4, 5])) == [True] * 5
+    assert backend.store.flush(30)
+    held = backend.store.hold([keys[2]])
+    held.leases[0].tensor.view(torch.uint8)[0, 0, :8] ^= 0xFF
+    held.release()
+    loader = _backend(dst, mla=False, **_disk_config(tmp_path))
+    assert loader.batch_get_v1(keys, _indices([6, 7, 8, 9, 10])) == [True] * 5
+    _assert_pages_equal(src, [1, 2, 3, 4, 5], dst, [6, 7, 8, 9, 10])
+    metrics = loader.store.metrics
+    assert metrics.value("checksum_failures") == 1
+    assert metrics.value("disk_hit_chunks") == 1

@@ -84,7 +84,8 @@ class HitReader:
         out: list[tuple[bytes, MemoryLease]] = []
         total, run = len(keys), 1
         lease_of = self._leaser(held)
-        # A tier whose every get is a round trip (the node tier) leases a run in one request.
+        # A tier that leases a run at once: one lock and one verification batch (CPU), one
+        # request (the node cache).
         get_many = getattr(self._tiers.tier, "get_many", None) if held is None else None
         try:
             while len(out) < total:
@@ -100,8 +101,8 @@ class HitReader:
                         self._tiers.tier_error("get chunks", exc)
                         return out
                     for i, (key, lease) in enumerate(zip(batch, leases, strict=False), found):
-                        if lease.tensor.shape != shapes[i]:
-                            for rest in leases[i - found :]:
+                        if _shaped(key, lease, shapes[i]) is None:
+                            for rest in leases[i - found + 1 :]:
                                 rest.release()
                             return out
                         out.append((key, lease))
@@ -141,16 +142,7 @@ class HitReader:
                     return None
                 if lease is None:
                     return None
-            if lease.tensor.shape == shape:
-                return lease
-            logger.warning(
-                "Chunk %s has shape %s, expected %s; treating it as a miss.",
-                key.hex(),
-                tuple(lease.tensor.shape),
-                shape,
-            )
-            lease.release()
-            return None
+            return _shaped(key, lease, shape)
 
         return lease_of
 
@@ -237,3 +229,17 @@ def hit_mask(plan: RequestPlan, pending: Sequence[Pending]) -> torch.Tensor:
     if pending:
         mask[pending[0].chunk.start : pending[-1].chunk.end] = True
     return mask
+
+
+def _shaped(key: bytes, lease: MemoryLease, shape: ChunkShape) -> MemoryLease | None:
+    """``lease`` if its chunk has ``shape``; else ``None``, the lease released (a miss)."""
+    if lease.tensor.shape == shape:
+        return lease
+    logger.warning(
+        "Chunk %s has shape %s, expected %s; treating it as a miss.",
+        key.hex(),
+        tuple(lease.tensor.shape),
+        shape,
+    )
+    lease.release()
+    return None

@@ -3,9 +3,10 @@
 prefixes stay usable.
 
 Each entry holds its own lease on the chunk's bytes and, optionally, an xxh3-64 checksum of those
-bytes taken when the chunk was stored. :meth:`CPUTier.get` verifies the checksum before handing the
-chunk out: a mismatch is a miss (counted in ``metrics.checksum_failures``, the entry dropped), so a
-corrupted chunk is never loaded.
+bytes taken when the chunk was stored (:mod:`lmcache.tiers.checksum`). :meth:`CPUTier.get` verifies
+the checksum before handing the chunk out: a mismatch is a miss (counted in
+``metrics.checksum_failures``, the entry dropped), so a corrupted chunk is never loaded.
+:meth:`CPUTier.get_many` does the same for a run of keys, its checksums taken in one batch.
 
 Eviction happens only in :meth:`CPUTier.allocate` / :meth:`CPUTier.allocate_many`, and only of
 entries that nobody but the tier leases: a chunk that a retrieve is copying, or that a caller
@@ -37,18 +38,20 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import struct
 import threading
 from collections.abc import Container, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import xxhash
 
 from lmcache.memory import HostMemoryPool, MemoryLease, aligned_bytes
+from lmcache.tiers.checksum import (
+    CHECKSUM_SLICE_BYTES,
+    batch_checksums,
+    parallel_checksum,
+    tensor_checksum,
+)
 from lmcache.tiers.prefix_lru import PrefixLRU
 
 if TYPE_CHECKING:
@@ -57,69 +60,6 @@ if TYPE_CHECKING:
 __all__ = ["CHECKSUM_SLICE_BYTES", "CPUTier", "parallel_checksum", "tensor_checksum"]
 
 logger = logging.getLogger(__name__)
-
-
-#: Checksums hash a chunk in slices of this many bytes (in parallel), then hash the digests.
-CHECKSUM_SLICE_BYTES = 4 << 20
-
-
-def _byte_slices(tensor: torch.Tensor) -> list[memoryview]:
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError(
-            f"tensor_checksum needs a contiguous CPU tensor, found device={tensor.device}, "
-            f"contiguous={tensor.is_contiguous()}; pass a host chunk buffer (lease.tensor)."
-        )
-    data = tensor.reshape(-1).view(torch.uint8).numpy().data
-    step = CHECKSUM_SLICE_BYTES
-    return [data[i : i + step] for i in range(0, len(data), step)] or [data]
-
-
-def _combine(digests: Sequence[int]) -> int:
-    if len(digests) == 1:
-        return digests[0]
-    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
-
-
-def tensor_checksum(tensor: torch.Tensor) -> int:
-    """Checksum of a contiguous host tensor's bytes, read in place (no copy).
-
-    The bytes are cut into slices of :data:`CHECKSUM_SLICE_BYTES`; the checksum is the xxh3-64 of
-    the one slice, or the xxh3-64 of the slices' xxh3-64 digests (little-endian uint64) when there
-    are several. Slices let :meth:`CPUTier.checksums` hash one chunk on several threads (xxhash
-    releases the GIL), which keeps verification near memory bandwidth instead of one core's.
-
-    Args:
-        tensor: A contiguous CPU tensor of any dtype, e.g. a chunk ``[num_layers, num_tokens,
-            kv_width]``.
-
-    Raises:
-        ValueError: the tensor is not on the CPU or not contiguous.
-    """
-    return _combine([xxhash.xxh3_64_intdigest(s) for s in _byte_slices(tensor)])
-
-
-_shared_lock = threading.Lock()
-_shared_hasher: ThreadPoolExecutor | None = None
-
-
-def parallel_checksum(tensor: torch.Tensor) -> int:
-    """:func:`tensor_checksum`, its slices hashed on up to 8 threads (a process-wide pool).
-
-    For large chunks read from disk or Redis; equal to :func:`tensor_checksum` bit for bit.
-
-    Raises:
-        ValueError: the tensor is not on the CPU or not contiguous.
-    """
-    global _shared_hasher
-    slices = _byte_slices(tensor)
-    workers = min(8, os.cpu_count() or 1)
-    if len(slices) <= 1 or workers <= 1:
-        return _combine([xxhash.xxh3_64_intdigest(s) for s in slices])
-    with _shared_lock:
-        if _shared_hasher is None:
-            _shared_hasher = ThreadPoolExecutor(workers, thread_name_prefix="lmcache-verify")
-        hasher = _shared_hasher
-    return _combine(list(hasher.map(xxhash.xxh3_64_intdigest, slices)))
 
 
 @dataclass(eq=False)
@@ -148,32 +88,15 @@ class CPUTier:
         self._entries: dict[bytes, _Entry] = {}
         self._order: PrefixLRU[bytes] = PrefixLRU()  # recency, parents, orphans
         self._lock = threading.RLock()
-        self._hash_workers = min(8, os.cpu_count() or 1)
-        self._hasher: ThreadPoolExecutor | None = None
 
     def checksums(self, tensors: Sequence[torch.Tensor]) -> list[int]:
-        """:func:`tensor_checksum` of each tensor, slices hashed on up to 8 threads.
+        """:func:`tensor_checksum` of each tensor, in one pass over the batch
+        (:func:`~lmcache.tiers.checksum.batch_checksums`).
 
         Raises:
             ValueError: a tensor is not a contiguous CPU tensor.
         """
-        parts = [_byte_slices(t) for t in tensors]
-        flat = [s for slices in parts for s in slices]
-        if len(flat) <= 1 or self._hash_workers <= 1:
-            digests = [xxhash.xxh3_64_intdigest(s) for s in flat]
-        else:
-            with self._lock:
-                if self._hasher is None:
-                    self._hasher = ThreadPoolExecutor(
-                        self._hash_workers, thread_name_prefix="lmcache-checksum"
-                    )
-                hasher = self._hasher
-            digests = list(hasher.map(xxhash.xxh3_64_intdigest, flat))
-        out, start = [], 0
-        for slices in parts:
-            out.append(_combine(digests[start : start + len(slices)]))
-            start += len(slices)
-        return out
+        return batch_checksums(tensors)
 
     def __len__(self) -> int:
         with self._lock:
@@ -266,30 +189,83 @@ class CPUTier:
                 return None
             self._order.touch(key)
             lease = entry.lease.share()
-        if entry.checksum is None:
-            return lease
         # Verified outside the lock: our share keeps the bytes from being reused meanwhile.
-        found = self.checksums([lease.tensor])[0]
-        if found == entry.checksum:
-            return lease
-        lease.release()
+        return lease if self._verified([(key, entry, lease)], metrics) else None
+
+    def get_many(
+        self, keys: Sequence[bytes], *, metrics: LMCacheMetrics | None = None
+    ) -> list[MemoryLease]:
+        """Leases on the leading run of ``keys`` stored, each verified as :meth:`get` verifies
+        it; the caller releases them.
+
+        The run ends at the first key not stored, or whose bytes no longer match their checksum
+        (that entry is dropped and ``checksum_failures`` counted, as :meth:`get` does). The
+        entries are found under one lock and their checksums taken in one batch
+        (:meth:`checksums`), so a run costs about what hashing its bytes costs. The run is marked
+        used as :meth:`touch_many` marks it (``keys[0]`` the most recent).
+
+        Args:
+            keys: A run of one key chain, in chain order.
+            metrics: Where to count a checksum failure; the tier's own metrics when ``None``.
+        """
+        if type(self).get is not CPUTier.get:  # a subclass keeps its entries elsewhere
+            out: list[MemoryLease] = []
+            for key in keys:
+                lease = self.get(key, metrics=metrics)
+                if lease is None:
+                    break
+                out.append(lease)
+            return out
+        found: list[tuple[bytes, _Entry, MemoryLease]] = []
+        with self._lock:
+            entries = self._entries
+            for key in keys:
+                entry = entries.get(key)
+                if entry is None:
+                    break
+                found.append((key, entry, entry.lease.share()))
+            self._order.touch_chain([key for key, _, _ in found])
+        try:
+            good = self._verified(found, metrics)
+        except BaseException:
+            for _, _, lease in found:
+                lease.release()
+            raise
+        return [lease for _, _, lease in found[:good]]
+
+    def _verified(
+        self, found: Sequence[tuple[bytes, _Entry, MemoryLease]], metrics: LMCacheMetrics | None
+    ) -> int:
+        """How many leading ``(key, entry, share)`` triples' bytes match their entry's checksum
+        (one batch of :meth:`checksums`). The first that does not is dropped and counted, and
+        its share and every later one released."""
+        todo = [i for i, (_, entry, _) in enumerate(found) if entry.checksum is not None]
+        sums = self.checksums([found[i][2].tensor for i in todo]) if todo else []
+        bad, value = next(
+            ((i, v) for i, v in zip(todo, sums, strict=True) if v != found[i][1].checksum),
+            (None, 0),
+        )
+        if bad is None:
+            return len(found)
+        key, entry, _ = found[bad]
+        for _, _, lease in found[bad:]:
+            lease.release()
         (self.metrics if metrics is None else metrics).checksum_failures.inc()
         logger.warning(
             "Checksum mismatch for chunk %s in the CPU tier (expected %#018x, found %#018x): "
             "the bytes changed after they were stored. Treating it as a miss and dropping it.",
             key.hex(),
             entry.checksum,
-            found,
+            value,
         )
         with self._lock:
-            if self._entries.get(key) is entry:
+            ours = self._entries.get(key) is entry  # else replaced meanwhile: not ours to drop
+            if ours:
                 del self._entries[key]
                 self._order.discard(key)
-            else:
-                entry = None  # replaced meanwhile: not ours to release
-        if entry is not None:
+        if ours:
             entry.lease.release()
-        return None
+        return bad
 
     def allocate(
         self,
