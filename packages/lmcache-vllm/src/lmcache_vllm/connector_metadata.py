@@ -18,6 +18,7 @@ __all__ = [
     "SaveSpec",
     "Tracker",
     "WorkerStats",
+    "copied_groups",
 ]
 
 try:  # the metadata must subclass vLLM's marker class; vLLM is present wherever this runs
@@ -114,6 +115,23 @@ class Tracker:
     num_saved: int  # tokens known stored (chunk aligned)
     extra_keys: dict[int, bytes] = field(default_factory=dict)
     group_block_ids: list[list[int]] | None = None  # every group's, with several groups
+    computed_end: int = 0  # tokens computed once the request's last scheduled step ran
+
+    def computed(self, start: int, end: int, chunk_size: int, resumed: bool = False) -> None:
+        """A step computes tokens ``[start, end)``.
+
+        A running request's start below its last step's end is a rollback: vLLM recomputes
+        from ``start``.
+        A failed load rolls a request back, and the workers stored no chunk computed over it
+        (:mod:`lmcache_vllm.worker.failed_loads`).
+        So the chunks from ``start``'s chunk on count as unsaved again, and the recompute saves
+        them.
+        A resumed (preempted) request computes again what vLLM freed: what it stored stays
+        stored.
+        """
+        if start < self.computed_end and not resumed:
+            self.num_saved = min(self.num_saved, start // chunk_size * chunk_size)
+        self.computed_end = end
 
     def take_blocks(self, new_blocks: Sequence[Sequence[int]] | None, resumed: bool) -> None:
         """A step's new blocks per group: appended, or, for a resumed (preempted) request,
@@ -130,6 +148,11 @@ class Tracker:
         elif new_blocks:
             for blocks, new_ids in zip(per_group, new_blocks, strict=True):
                 blocks.extend(new_ids)
+
+
+def copied_groups(per_group: Sequence[Sequence[int]] | None) -> list[list[int]] | None:
+    """A copy of every KV cache group's block ids (``None`` with one group)."""
+    return [[int(b) for b in blocks] for blocks in per_group] if per_group is not None else None
 
 
 ENGINE_COUNTERS: tuple[str, ...] = (

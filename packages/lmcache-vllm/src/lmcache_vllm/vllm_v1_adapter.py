@@ -46,6 +46,7 @@ from lmcache_vllm.utils import calculate_local_rank_and_world_size, get_vllm_tor
 from lmcache_vllm.vllm_types import SchedulerOutput, SchedulerRequest, VllmConfig
 from lmcache_vllm.worker.grouped import GroupedWorkerSide
 from lmcache_vllm.worker.kv_registration import check_kv_cache_groups
+from lmcache_vllm.worker.rank_failures import PIPELINE_LOADS_OFF
 from lmcache_vllm.worker.side import WorkerSide
 
 if TYPE_CHECKING:
@@ -148,6 +149,10 @@ class LMCacheConnectorV1Impl:
             if len(groups) > 1 and not self.async_loads and self.scheduler.loads_enabled:
                 self.scheduler.loads_enabled = False  # a failed load could not be recomputed
                 logger.warning(NO_FAILED_RECVING, len(groups))
+            pp = int(getattr(pc, "pipeline_parallel_size", 1))
+            if pp > 1 and self.scheduler.loads_enabled:  # no stage could learn of another's
+                self.scheduler.loads_enabled = False  # failed load in time (rank_failures)
+                logger.warning(PIPELINE_LOADS_OFF, pp)
         elif len(groups) > 1:  # vLLM's hybrid KV cache manager: one stream per group
             self.worker = GroupedWorkerSide(
                 vllm_config,

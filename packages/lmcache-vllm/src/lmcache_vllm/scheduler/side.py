@@ -44,6 +44,7 @@ from lmcache_vllm.connector_metadata import (
     ReqMeta,
     SaveSpec,
     Tracker,
+    copied_groups,
 )
 from lmcache_vllm.kv_groups import (
     UNSUPPORTED_GROUPS,
@@ -281,6 +282,7 @@ class SchedulerSide(GuardedHooks):
         )
         self._trackers[rid] = tracker
         start = int(new.num_computed_tokens)
+        tracker.computed(start, start + int(num_scheduled.get(rid, 0)), self.chunk_size)
         self._add(
             meta, tracker, prompt, start, start + int(num_scheduled.get(rid, 0)), load, request
         )
@@ -303,6 +305,7 @@ class SchedulerSide(GuardedHooks):
         load = self._load_specs.pop(rid, None) if resumed else None
         start = int(cached.num_computed_tokens[i])
         computed_end = start + int(num_scheduled.get(req_id, 0))
+        tracker.computed(start, computed_end, self.chunk_size, resumed)  # a rollback: saves again
         self._add(meta, tracker, None, start, computed_end, load, request)
 
     def _save_spec(self, tracker: Tracker, computed_end: int) -> SaveSpec | None:
@@ -359,7 +362,7 @@ class SchedulerSide(GuardedHooks):
                 extra_keys=chunk_extra_keys(tracker.extra_keys, len(tokens), self.chunk_size),
                 load=load,
                 save=save,
-                group_block_ids=_copied(tracker.group_block_ids),
+                group_block_ids=copied_groups(tracker.group_block_ids),
                 computed_start=computed_start,
             )
         )
@@ -414,7 +417,7 @@ class SchedulerSide(GuardedHooks):
                 salt=tracker.salt,
                 extra_keys=chunk_extra_keys(tracker.extra_keys, len(tokens), self.chunk_size),
                 save=save,
-                group_block_ids=_copied(block_ids) if self.multi_group else None,
+                group_block_ids=copied_groups(block_ids) if self.multi_group else None,
                 computed_start=done,
             )
         )
@@ -444,7 +447,3 @@ class SchedulerSide(GuardedHooks):
     def close(self) -> None:
         """Close the lookup connections (idempotent)."""
         self.lookups.close()
-
-
-def _copied(per_group: Sequence[Sequence[int]] | None) -> list[list[int]] | None:
-    return [[int(b) for b in blocks] for blocks in per_group] if per_group is not None else None

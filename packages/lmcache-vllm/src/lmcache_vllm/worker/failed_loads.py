@@ -25,6 +25,9 @@ vLLM rolls back every request that holds a failed block once it hears.
 A mark goes when vLLM schedules the request from the mark or earlier: vLLM recomputes it from
 there, so what it computes then is right and is saved as usual.
 A mark also goes when the request ends.
+
+With tensor parallelism every rank marks what any rank's failed load spoiled: the next layer's
+input on every rank depends on every rank's heads (:mod:`lmcache_vllm.worker.rank_failures`).
 """
 
 from __future__ import annotations
@@ -57,24 +60,41 @@ class FailedLoads:
         self._marks: dict[str, int] = {}  # request -> first token whose KV may be wrong
         self._blocks: dict[int, int] = {}  # failed block -> the step its load failed in
         self._logged: set[tuple[str, int]] = set()  # (request, mark) already logged
+        self._fresh: dict[str, int] = {}  # this rank's failures the other ranks have not heard of
         self.cut_saves = 0  # saves cut short or dropped since the start
 
     def __len__(self) -> int:
         """Requests marked."""
         return len(self._marks)
 
-    def failed(self, req: ReqMeta, first_bad: int, blocks: Iterable[int]) -> None:
-        """``req``'s load did not deliver token ``first_bad`` on; ``blocks`` stayed unfilled."""
+    def failed(
+        self, req: ReqMeta, first_bad: int, blocks: Iterable[int], here: bool = True
+    ) -> None:
+        """``req``'s load did not deliver token ``first_bad`` on; ``blocks`` stayed unfilled.
+
+        ``here``: on this rank; ``False``: on another tensor-parallel rank
+        (:mod:`lmcache_vllm.worker.rank_failures`).
+        """
         with self._lock:
             self._mark(req.req_id, first_bad)
+            if here:
+                fresh = self._fresh.get(req.req_id)
+                self._fresh[req.req_id] = first_bad if fresh is None else min(fresh, first_bad)
             for block in blocks:
                 self._blocks[int(block)] = self._step
+
+    def take_fresh(self) -> dict[str, int]:
+        """This rank's failures since the last call: request -> first token not loaded."""
+        with self._lock:
+            fresh, self._fresh = self._fresh, {}
+        return fresh
 
     def begin_step(self, meta: LMCacheConnectorMetadata) -> None:
         """A new step: forget the failed blocks of the step before last, and the marks of the
         requests vLLM now recomputes from their mark or earlier."""
         with self._lock:
             self._step += 1
+            self._fresh.clear()  # exchanged by now, or nobody to tell (one rank)
             if self._blocks:
                 self._blocks = {b: s for b, s in self._blocks.items() if s >= self._step - 1}
             if not self._marks:

@@ -335,11 +335,14 @@ class LayerwiseStep:
 
     # ------------------------------------------------------------------ step end
 
-    def finish(self) -> None:
+    def finish(self, exchange: Callable[[], None] | None = None) -> None:
         """End of step: wait for the loads, release their leases, then queue the saves'
         commits. A save whose KV a failed load spoiled is dropped instead: the loads' outcome
-        must be known before any commit is queued."""
+        must be known before any commit is queued. ``exchange`` runs in between: it learns the
+        other tensor-parallel ranks' failures (:mod:`lmcache_vllm.worker.rank_failures`)."""
         self._finish_loads()
+        if exchange is not None:
+            exchange()
         for save in self._saving:
             spoiled = self._failed.spoils(save.req, len(save.slots))
             job = self._drop_job(save) if spoiled else self._commit_job(save)

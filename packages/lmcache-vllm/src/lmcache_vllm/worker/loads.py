@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from lmcache.cache_engine import LMCacheEngine
-from lmcache_vllm.connector_metadata import ReqMeta
+from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata, ReqMeta
 from lmcache_vllm.transfer.transfer_plan import LoadOutcome, load_outcome, load_plan
 from lmcache_vllm.worker.counters import WorkerCounters
 from lmcache_vllm.worker.failed_loads import FailedLoads
 from lmcache_vllm.worker.hit_prefetch import HitPrefetcher
-from lmcache_vllm.worker.lookup_leases import LookedUp
+from lmcache_vllm.worker.lookup_leases import LookedUp, LookupLeases
 
 if TYPE_CHECKING:
     from lmcache.cache_engine import HeldHit, LayerwiseRetrieve
@@ -69,6 +69,33 @@ class RequestLoads:
         self._load_lock = load_lock
         self._counters = counters
         self._prefetcher = prefetcher
+
+    @property
+    def synchronous(self) -> bool:
+        """Every load is over when :meth:`load` returns (batched, on the CPU)."""
+        return not (self.layerwise or self.asynchronous)
+
+    def load_all(
+        self,
+        meta: LMCacheConnectorMetadata | None,
+        engine: LMCacheEngine | None,
+        leases: LookupLeases,
+    ) -> list[tuple[ReqMeta, LayerwiseRetrieve, HeldHit | None]]:
+        """Load every request of ``meta`` that loads (each takes its lease; the others' leases
+        go); returns the layerwise retrieves left to drive."""
+        layerwise: list[tuple[ReqMeta, LayerwiseRetrieve, HeldHit | None]] = []
+        if meta is None or engine is None:
+            return layerwise
+        for req in meta.requests:
+            held, looked = leases.take(req.req_id)
+            if req.load is None:
+                if held is not None:
+                    held.release()
+                continue
+            started = self.load(engine, req, held, looked)
+            if started is not None:
+                layerwise.append((req, started, held))
+        return layerwise
 
     def take_errors(self) -> set[int]:
         """Blocks whose load failed since the last call."""

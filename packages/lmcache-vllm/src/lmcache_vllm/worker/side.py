@@ -15,7 +15,8 @@ vLLM keeps one worker-side connector per worker process. Per step:
    the compute stream waits for them on the device. The host waits for them only in
    ``wait_for_save``, after the forward is enqueued. On the CPU each load is one synchronous
    ``LMCacheEngine.retrieve``. Tokens that do not arrive make their blocks load errors, and no
-   save stores KV computed over them (:mod:`~lmcache_vllm.worker.failed_loads`).
+   save stores KV computed over them (:mod:`~lmcache_vllm.worker.failed_loads`), on any
+   tensor-parallel rank (:mod:`~lmcache_vllm.worker.rank_failures`).
 4. At the forward's last layer (:meth:`WorkerSide.save_kv_layer`) the planning of this step's
    saves is queued on the copy thread: chunk keys, host buffers, one copy plan for all of them.
 5. :meth:`WorkerSide.wait_for_save` queues the step's one copy of every planned save on the
@@ -43,7 +44,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -53,7 +53,6 @@ from lmcache.devices import DeviceBackend, get_backend
 from lmcache_vllm.connector_metadata import (
     ENGINE_COUNTERS,
     LMCacheConnectorMetadata,
-    ReqMeta,
     WorkerStats,
 )
 from lmcache_vllm.lookup_wire import LookupQuery
@@ -66,13 +65,11 @@ from lmcache_vllm.worker.layerwise_step import LayerwiseStep
 from lmcache_vllm.worker.loads import RequestLoads
 from lmcache_vllm.worker.lookup_leases import LookedUp, LookupLeases
 from lmcache_vllm.worker.lookup_server import LookupServer
+from lmcache_vllm.worker.rank_failures import RankFailures
 from lmcache_vllm.worker.save_queue import (
     SaveQueue,
     UnpublishedSaves,
 )
-
-if TYPE_CHECKING:
-    from lmcache.cache_engine import HeldHit, LayerwiseRetrieve
 
 __all__ = ["SECOND_ENGINE_ERROR", "WorkerSide"]
 
@@ -161,6 +158,8 @@ class WorkerSide:
             self._counters,
             self._loads.failed,
         )
+        # a stream of a grouped worker loads asynchronously: vLLM combines the ranks' reports
+        self._ranks = RankFailures(self._loads.failed, self.block_size, exchanges=not group_tag)
 
     # ------------------------------------------------------------------ registration
 
@@ -266,8 +265,8 @@ class WorkerSide:
         preempted blocks from now on), release stale leases. A preempted request keeps its
         lease: asynchronous scheduling may have leased it again before this step binds."""
         self._bound = meta
-        if self._layerwise is not None:
-            self._layerwise.finish()
+        if self._layerwise is not None:  # the last step's, where its wait_for_save never came
+            self._layerwise.finish(self._ranks.exchange)
         self._fence()
         self._batched.drop_planned()
         if not isinstance(meta, LMCacheConnectorMetadata):
@@ -329,19 +328,13 @@ class WorkerSide:
             self.bind(raw)
         meta = self._meta()
         engine = self.lmcache_engine
-        if meta is None or engine is None:
-            return
-        layerwise: list[tuple[ReqMeta, LayerwiseRetrieve, HeldHit | None]] = []
-        for req in meta.requests:
-            held, looked = self._leases.take(req.req_id)
-            if req.load is None:
-                if held is not None:
-                    held.release()
-                continue
-            started = self._loads.load(engine, req, held, looked)
-            if started is not None:
-                layerwise.append((req, started, held))
-        if layerwise and self._layerwise is not None:
+        self._ranks.arm(meta)  # every rank exchanges, whatever happens here
+        try:
+            layerwise = self._loads.load_all(meta, engine, self._leases)
+        finally:  # synchronous loads: every outcome is known, and no save is planned yet
+            if self._layerwise is None or self._loads.synchronous:
+                self._ranks.exchange()
+        if layerwise and self._layerwise is not None and engine is not None:
             self._layerwise.start_loads(
                 layerwise, engine.metadata.num_layers, whole=not self.config.use_layerwise
             )
@@ -387,8 +380,8 @@ class WorkerSide:
         """Queue the copy of this step's saves (planned during the forward) and return at
         once; finish this step's enqueued loads (their leases go, failed ones become load
         errors)."""
-        if self._layerwise is not None:
-            self._layerwise.finish()  # layerwise: queues this step's commits
+        if self._layerwise is not None:  # layerwise: queues this step's commits
+            self._layerwise.finish(self._ranks.exchange)
         if not self.config.use_layerwise:
             self._batched.wait_for_save()
 
