@@ -22,75 +22,39 @@ import sys
 from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from lmcache.tiers.prefix_lru import PrefixLRU
-
-__all__ = ["ALIGNMENT", "Block", "Entry", "FreeList", "NodeIndex", "aligned", "chunk_nbytes"]
-
-#: Blocks start at multiples of this many bytes (as the per-process pool's allocations do).
-ALIGNMENT = 256
+__all__ = ["ALIGNMENT", "Block", "Entry", "NodeIndex", "aligned", "chunk_nbytes"]
 
 
-def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to :data:`ALIGNMENT`, at least one unit."""
-    return max(ALIGNMENT, (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
-
-
-def _prefix_lru_class() -> Any:
-    """:class:`~lmcache.tiers.prefix_lru.PrefixLRU` without importing ``lmcache.tiers`` (whose
-    package imports torch): the module itself imports only the standard library."""
-    loaded = sys.modules.get("lmcache.tiers.prefix_lru")
+def _stdlib_only(name: str) -> ModuleType:
+    """The module ``name`` of ``lmcache``, one that imports only the standard library, without
+    importing its package (``lmcache.memory`` and ``lmcache.tiers`` import torch)."""
+    loaded = sys.modules.get(name)
     if loaded is None:
-        path = Path(__file__).resolve().parent.parent / "tiers" / "prefix_lru.py"
-        spec = importlib.util.spec_from_file_location("lmcache.node._prefix_lru", path)
+        path = Path(__file__).resolve().parent.parent.joinpath(*name.split(".")[1:])
+        private = "lmcache.node._" + name.rpartition(".")[2]
+        spec = importlib.util.spec_from_file_location(private, path.with_suffix(".py"))
         assert spec is not None and spec.loader is not None
         loaded = importlib.util.module_from_spec(spec)
+        sys.modules[private] = loaded  # as an import would: dataclasses look their module up
         spec.loader.exec_module(loaded)
-    return loaded.PrefixLRU
+    return loaded
 
 
-class FreeList:
-    """Free byte ranges ``(offset, length)`` of the arena, sorted; first fit, merged on free
-    (the logic of :class:`lmcache.memory.slab.Slab`, without its tensor)."""
+if TYPE_CHECKING:
+    from lmcache.memory import free_ranges as _free_ranges
+    from lmcache.tiers import prefix_lru as _prefix_lru
+else:
+    _free_ranges = _stdlib_only("lmcache.memory.free_ranges")
+    _prefix_lru = _stdlib_only("lmcache.tiers.prefix_lru")
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.free: list[tuple[int, int]] = [(0, size)] if size > 0 else []
+#: Blocks start at multiples of this many bytes (the per-process pool's alignment).
+ALIGNMENT = _free_ranges.ALIGNMENT
 
-    def take_run(self, size: int, count: int) -> tuple[int, int] | None:
-        """``(offset, pieces)``: up to ``count`` back-to-back pieces of ``size`` from the first
-        free range that holds one, or ``None``."""
-        for i, (offset, length) in enumerate(self.free):
-            if length >= size:
-                k = min(count, length // size)
-                if length == k * size:
-                    del self.free[i]
-                else:
-                    self.free[i] = (offset + k * size, length - k * size)
-                return offset, k
-        return None
-
-    def give_back(self, offset: int, size: int) -> None:
-        """Return ``[offset, offset + size)``, merging with its neighbours."""
-        free = self.free
-        lo, hi = 0, len(free)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if free[mid][0] < offset:
-                lo = mid + 1
-            else:
-                hi = mid
-        start, end = offset, offset + size
-        if lo < len(free) and free[lo][0] == end:
-            end = free[lo][0] + free[lo][1]
-            del free[lo]
-        if lo > 0 and free[lo - 1][0] + free[lo - 1][1] == start:
-            start = free[lo - 1][0]
-            lo -= 1
-            del free[lo]
-        free.insert(lo, (start, end - start))
+#: ``nbytes`` rounded up to :data:`ALIGNMENT`, at least one unit.
+aligned = _free_ranges.aligned_bytes
 
 
 @dataclass(eq=False)
@@ -129,11 +93,11 @@ class NodeIndex:
 
     def __init__(self, data_bytes: int) -> None:
         self.data_bytes = int(data_bytes)
-        self.free = FreeList(self.data_bytes)
+        self.free = _free_ranges.FreeRanges(self.data_bytes)
         self.used = 0
         self.blocks: dict[int, Block] = {}
         self.entries: dict[bytes, Entry] = {}
-        self.order: PrefixLRU[bytes] = _prefix_lru_class()()
+        self.order: _prefix_lru.PrefixLRU[bytes] = _prefix_lru.PrefixLRU()
         self.evicted = 0
         self._next_id = 1
 
