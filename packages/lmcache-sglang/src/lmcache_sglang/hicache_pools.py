@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -351,49 +351,58 @@ class PoolStores:
         store.slot_spec(slots, len(keys))  # one page of slots per key
         return keys, slots
 
-    def get(self, transfers: Sequence[Any]) -> dict[str, list[bool]]:
-        """``batch_get_v2``: each pool's longest stored run of ``transfer.keys`` (leased and
-        verified) copied into its host slots; per key whether it is there."""
+    def _each_pool(
+        self,
+        transfers: Sequence[Any],
+        operation: Callable[[PageStore, list[str], torch.Tensor], int],
+        failure: str,
+    ) -> dict[str, list[bool]]:
+        """Run ``operation`` on each transfer's store, keys and host slots; per key whether it
+        is among the leading pages the operation reports done.
+
+        A pool that is not registered, has bad slots or whose operation raises is logged with
+        ``failure`` (formatted with the pool's name and the error) and has no key done.
+        """
         out: dict[str, list[bool]] = {}
         for transfer in transfers:
             name = pool_name(transfer.name)
             n = len(transfer.keys or ())
-            loaded = 0
+            done = 0
             try:
                 store = self._store(name)
                 keys, slots = self._slots(transfer, store)
-                held = store.hold(keys)
-                try:
-                    loaded = store.load(held, slots[: len(held) * store.page_size])
-                finally:
-                    held.release()
+                done = operation(store, keys, slots)
             except Exception as exc:
-                logger.warning(
-                    "lmcache HiCache backend: batch_get_v2 of pool %s failed (%r); a miss.",
-                    name,
-                    exc,
-                )
-            out[name] = [i < loaded for i in range(n)]
+                logger.warning(failure, name, exc)
+            out[name] = [i < done for i in range(n)]
         return out
+
+    @staticmethod
+    def _load(store: PageStore, keys: list[str], slots: torch.Tensor) -> int:
+        """The longest stored run of ``keys``, leased and verified, copied into ``slots``."""
+        held = store.hold(keys)
+        try:
+            return store.load(held, slots[: len(held) * store.page_size])
+        finally:
+            held.release()
+
+    def get(self, transfers: Sequence[Any]) -> dict[str, list[bool]]:
+        """``batch_get_v2``: each pool's longest stored run of ``transfer.keys`` (leased and
+        verified) copied into its host slots; per key whether it is there."""
+        return self._each_pool(
+            transfers,
+            self._load,
+            "lmcache HiCache backend: batch_get_v2 of pool %s failed (%r); a miss.",
+        )
 
     def set(self, transfers: Sequence[Any]) -> dict[str, list[bool]]:
         """``batch_set_v2``: each pool's host pages stored under ``transfer.keys``; per key
         whether it is stored."""
-        out: dict[str, list[bool]] = {}
-        for transfer in transfers:
-            name = pool_name(transfer.name)
-            n = len(transfer.keys or ())
-            stored = 0
-            try:
-                store = self._store(name)
-                keys, slots = self._slots(transfer, store)
-                stored = store.store(keys, slots)
-            except Exception as exc:
-                logger.warning(
-                    "lmcache HiCache backend: batch_set_v2 of pool %s failed (%r).", name, exc
-                )
-            out[name] = [i < stored for i in range(n)]
-        return out
+        return self._each_pool(
+            transfers,
+            lambda store, keys, slots: store.store(keys, slots),
+            "lmcache HiCache backend: batch_set_v2 of pool %s failed (%r).",
+        )
 
     # -- lifecycle ------------------------------------------------------------------------
 

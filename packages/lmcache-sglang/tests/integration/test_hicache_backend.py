@@ -11,7 +11,7 @@ and page keys from SGLang's own page hash. The oracle is SGLang's own ``get_data
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -92,8 +92,21 @@ def _host_pool(device: Any, layout: str) -> Any:
 
 
 def _backend(
-    host: Any, *, mla: bool, model: str = MODEL, tp_rank: int = 0, tp_size: int = 1, **extra: Any
+    host: Any,
+    *,
+    mla: bool,
+    model: str = MODEL,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pools: Mapping[Any, Any] | None = None,
+    **extra: Any,
 ) -> Any:
+    """The backend SGLang attaches to the host KV pool ``host``.
+
+    With ``pools`` (SGLang's ``PoolName`` to host pool) it is registered as a hybrid model's
+    ``HybridCacheController.attach_storage_backend`` does: ``host`` as ``PoolName.KV``, then
+    every pool of ``pools``.
+    """
     config = HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=tp_size,
@@ -109,6 +122,13 @@ def _backend(
     )
     backend = StorageBackendFactory.create_backend("dynamic", config, host)
     backend.register_mem_pool_host(host)
+    if pools is not None:  # HiCache v2's pool API, which dense callers need not have
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        backend.register_mem_host_pool_v2(host, PoolName.KV)
+        for name, pool in pools.items():
+            backend.register_mem_host_pool_v2(pool, name)
+        backend.on_host_pools_registered()
     return backend
 
 

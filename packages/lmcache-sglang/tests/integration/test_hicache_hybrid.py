@@ -30,32 +30,21 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sglang.srt.mem_cache import hicache_storage
 from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
-from sglang.srt.mem_cache.hicache_storage import (
-    HiCacheStorageConfig,
-    PoolHitPolicy,
-    PoolName,
-    PoolTransfer,
-)
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from lmcache.gpu_connector.interface import KVLayoutError
 from lmcache.tiers import reset_process_cpu_tiers
 from lmcache_sglang.testing import make_prompt
 
+from .test_hicache_backend import _backend
+
 PAGE = 4
 WINDOW = 2  # SWA pages a hit needs before its end
 MODEL = "/models/tiny-hybrid"
-BACKEND = {
-    "backend_name": "lmcache",
-    "module_path": "lmcache_sglang.hicache_backend",
-    "class_name": "LMCacheHiCacheStorage",
-    "interface_v1": 1,
-    "max_local_cpu_size": 0.0625,
-}
 TRAILING = PoolHitPolicy.TRAILING_PAGES
 
 
@@ -129,25 +118,15 @@ class Hybrid:
             self.pools["swa"] = _kv_host(3, 1, layout)
         if mamba:
             self.pools["mamba"] = _mamba_host("page_first" if layout == "layer_first" else layout)
-        config = HiCacheStorageConfig(
+        self.backend = _backend(
+            self.kv,
+            mla=False,
+            model=model,
             tp_rank=tp_rank,
             tp_size=tp_size,
-            pp_rank=0,
-            pp_size=1,
-            attn_cp_rank=0,
-            attn_cp_size=1,
-            is_mla_model=False,
-            enable_storage_metrics=False,
-            is_page_first_layout=layout != "layer_first",
-            model_name=model,
-            extra_config={**BACKEND, **extra},
+            pools={PoolName(name): host for name, host in self.pools.items()},
+            **extra,
         )
-        self.backend = StorageBackendFactory.create_backend("dynamic", config, self.kv)
-        self.backend.register_mem_pool_host(self.kv)  # attach_storage_backend, then the group
-        self.backend.register_mem_host_pool_v2(self.kv, PoolName.KV)
-        for name, host in self.pools.items():
-            self.backend.register_mem_host_pool_v2(host, PoolName(name))
-        self.backend.on_host_pools_registered()
 
     def page(self, name: str, slot: int) -> torch.Tensor:
         host = self.kv if name == "kv" else self.pools[name]
