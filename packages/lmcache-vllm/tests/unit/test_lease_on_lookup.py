@@ -343,19 +343,46 @@ def test_a_step_that_never_ends_leaves_no_planned_save_behind(rig):
 def test_handle_preemptions_waits_for_queued_copies_only_when_something_was_preempted(rig):
     """vLLM calls ``handle_preemptions`` at the start of every step: with nothing preempted it
     must not wait for the copy thread (the step's bind fences the forward's writes); with a
-    preempted request it waits until every queued copy has read its pages."""
-    import threading
-    import time
+    preempted request it waits until every queued copy has read its pages.
 
-    gate = threading.Event()
-    rig.worker._saves.submit("slow", lambda: (gate.wait(5), None)[1])  # a copy still reading
-    t = time.perf_counter()
+    No clock: a queued copy reads until it is released, and a wait on its fence releases it.
+    The order of what happened tells whether the call waited, and nothing hangs if it is wrong.
+    """
+    import threading
+
+    from lmcache_vllm.worker.save_queue import ReadFence
+
+    def queue_slow_copy() -> tuple[list[str], threading.Event]:
+        order: list[str] = []
+        release = threading.Event()
+
+        class WaitedFence(ReadFence):
+            def wait(self, timeout: float | None) -> bool:
+                if not super().wait(0):  # someone waits for the copy: let it finish
+                    order.append("fence waited")
+                    release.set()
+                return super().wait(timeout)
+
+        def copy() -> None:
+            # the bound only keeps a broken fence from hanging the test
+            order.append("copy read" if release.wait(60) else "copy gave up")
+
+        rig.worker._saves.submit("slow", copy, WaitedFence())
+        return order, release
+
+    order, release = queue_slow_copy()
     rig.worker.handle_preemptions(LMCacheConnectorMetadata())
-    assert time.perf_counter() - t < 0.2 and not gate.is_set()
-    threading.Timer(0.3, gate.set).start()
-    t = time.perf_counter()
+    order.append("returned")
+    release.set()
+    assert rig.worker._saves.wait(timeout=60)
+    assert order == ["returned", "copy read"]  # it did not wait for the copy
+
+    order, release = queue_slow_copy()
     rig.worker.handle_preemptions(LMCacheConnectorMetadata(preempted=["p"]))
-    assert gate.is_set() and time.perf_counter() - t >= 0.25
+    order.append("returned")
+    release.set()
+    assert rig.worker._saves.wait(timeout=60)
+    assert order == ["fence waited", "copy read", "returned"]  # it returned after the read
 
 
 @pytest.mark.gpu
