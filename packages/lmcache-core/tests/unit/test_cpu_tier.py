@@ -263,16 +263,43 @@ def test_callers_metrics_count_evictions_and_checksum_failures() -> None:
     assert own.value("evicted_chunks") == 1 and caller.value("evicted_chunks") == 1
 
 
-def test_parallel_checksum_equals_tensor_checksum() -> None:
-    from lmcache.tiers.cpu_tier import CHECKSUM_SLICE_BYTES, parallel_checksum
+def _reference_checksum(t: torch.Tensor) -> int:
+    """The checksum's definition, hashed at once: xxh3-64 of each 4 MiB slice, then of the
+    slices' digests (little-endian uint64) when there are several."""
+    import struct
 
-    for nbytes in (1, CHECKSUM_SLICE_BYTES, 3 * CHECKSUM_SLICE_BYTES + 5):
+    import xxhash
+
+    from lmcache.tiers.cpu_tier import CHECKSUM_SLICE_BYTES
+
+    data = t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+    step = CHECKSUM_SLICE_BYTES
+    digests = [xxhash.xxh3_64_intdigest(data[i : i + step]) for i in range(0, len(data), step)]
+    if len(digests) <= 1:
+        return xxhash.xxh3_64_intdigest(data)
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
+
+
+def test_tensor_checksum_equals_its_definition() -> None:
+    """Hashed in pieces that keep the GIL, the sum is the same as hashing each slice at once
+    (sums stored in disk and remote entries stay valid)."""
+    from lmcache.tiers.checksum import CHECKSUM_SLICE_BYTES, GIL_PIECE_BYTES
+
+    for nbytes in (
+        0,
+        1,
+        GIL_PIECE_BYTES,
+        GIL_PIECE_BYTES + 1,
+        2 * 1024 * 1024,
+        CHECKSUM_SLICE_BYTES,
+        3 * CHECKSUM_SLICE_BYTES + 5,
+    ):
         t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-        assert parallel_checksum(t) == tensor_checksum(t)
+        assert tensor_checksum(t) == _reference_checksum(t), nbytes
     t = torch.randint(0, 256, (2 * CHECKSUM_SLICE_BYTES,), dtype=torch.uint8)
-    before = parallel_checksum(t)
-    t[CHECKSUM_SLICE_BYTES + 7] ^= 1
-    assert parallel_checksum(t) != before
+    before = tensor_checksum(t)
+    t[CHECKSUM_SLICE_BYTES + GIL_PIECE_BYTES + 7] ^= 1
+    assert tensor_checksum(t) != before
 
 
 def test_allocate_many_evicts_lru_first_and_stops_at_leased_chunks() -> None:

@@ -245,9 +245,9 @@ def verify_chunk(
     found_bytes = payload.numel() * payload.element_size()
     if found_bytes != header.nbytes:
         raise CorruptChunk(f"payload is {found_bytes} bytes, header says {header.nbytes}")
-    from lmcache.tiers.cpu_tier import parallel_checksum
+    from lmcache.tiers.cpu_tier import tensor_checksum
 
-    found = parallel_checksum(payload)
+    found = tensor_checksum(payload)
     if found != header.checksum:
         raise CorruptChunk(
             f"payload checksum {found:#018x} differs from the stored {header.checksum:#018x}"

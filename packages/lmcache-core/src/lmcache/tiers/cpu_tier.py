@@ -49,7 +49,6 @@ from lmcache.memory import HostMemoryPool, MemoryLease, aligned_bytes
 from lmcache.tiers.checksum import (
     CHECKSUM_SLICE_BYTES,
     batch_checksums,
-    parallel_checksum,
     tensor_checksum,
 )
 from lmcache.tiers.prefix_lru import PrefixLRU
@@ -57,7 +56,7 @@ from lmcache.tiers.prefix_lru import PrefixLRU
 if TYPE_CHECKING:
     from lmcache.metrics import LMCacheMetrics
 
-__all__ = ["CHECKSUM_SLICE_BYTES", "CPUTier", "parallel_checksum", "tensor_checksum"]
+__all__ = ["CHECKSUM_SLICE_BYTES", "CPUTier", "tensor_checksum"]
 
 logger = logging.getLogger(__name__)
 
