@@ -237,3 +237,26 @@ def test_threads_of_one_process_share_a_client_safely(owner: NodeOwner) -> None:
     ):
         time.sleep(0.02)  # the last releases go out with the flusher (10 ms)
     assert stats is not None and stats.leased_blocks == 0
+
+
+def test_stats_command_prints_the_owners_counters(owner: NodeOwner) -> None:
+    """``python -m lmcache.node stats`` (the operator's view) answers with the owner's counters,
+    the same as a client's own Stats request."""
+    import json
+    import subprocess
+
+    tier = _tier(owner.folder)
+    try:
+        expected = tier.stats()
+    finally:
+        tier.close()
+    out = subprocess.run(
+        [sys.executable, "-m", "lmcache.node", "stats", "--dir", str(owner.folder)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    printed = json.loads(out.stdout)
+    assert expected is not None
+    assert printed["budget_bytes"] == expected.budget_bytes == 64 * CHUNK

@@ -53,8 +53,10 @@ def _stats(args: argparse.Namespace) -> int:
     try:
         sock.connect(str(folder / SOCKET_NAME))
         hello = wire.Hello(wire.PROTOCOL_VERSION, secrets.token_bytes(16), os.getpid(), "", [])
-        sock.sendall(wire.encode(hello) + wire.encode(wire.Stats()))
+        # one request, then its reply: the client's frame reader expects one reply per read
+        sock.sendall(wire.encode(hello))
         wire.decode_reply(wire.read_frame(sock))
+        sock.sendall(wire.encode(wire.Stats()))
         reply = wire.decode_reply(wire.read_frame(sock))
     except (OSError, wire.FrameError) as exc:
         print(f"no node cache owner answers at {folder}: {exc}", file=sys.stderr)
