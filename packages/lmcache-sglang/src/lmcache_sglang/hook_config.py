@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcache.config import ConfigError, LMCacheConfig, load_config
-from lmcache.model_identity import model_digest
+from lmcache.model_identity import hf_config_dict, model_digest
 
 __all__ = [
     "CONFIG_FILE_KEY",
@@ -116,20 +116,46 @@ class ModelFacts:
     model_digest: str = ""
 
 
-def _sglang_model_digest(model: str, server_args: object) -> str:
-    """:func:`~lmcache.model_identity.model_digest` of SGLang's model: a local folder's
-    ``config.json`` and weights (or the hub snapshot's commit) and the configuration overrides
-    (``--json-model-override-args``)."""
-    config: dict[str, Any] = {}
-    overrides = getattr(server_args, "json_model_override_args", None) or "{}"
+def _effective_hf_config(model: str, server_args: object, overrides: Any) -> dict[str, Any] | None:
+    """The Hugging Face configuration SGLang builds the model from, as a dict: ``AutoConfig`` of
+    ``model`` with ``--json-model-override-args`` applied (as SGLang's ``get_config`` does).
+
+    It is the form vLLM's adapter digests (its ``hf_config.to_dict()``), so that an SGLang and a
+    vLLM engine key one model alike. ``None`` when transformers cannot read it."""
     try:
-        config["overrides"] = json.loads(overrides) if isinstance(overrides, str) else overrides
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(
+            model,
+            revision=getattr(server_args, "revision", None),
+            trust_remote_code=bool(getattr(server_args, "trust_remote_code", False)),
+        )
+        if isinstance(overrides, dict) and overrides:
+            config.update(overrides)
+    except Exception:
+        return None
+    return hf_config_dict(config)
+
+
+def _sglang_model_digest(model: str, server_args: object) -> str:
+    """:func:`~lmcache.model_identity.model_digest` of SGLang's model: its effective Hugging
+    Face configuration (:func:`_effective_hf_config`) and a local folder's weights (or the hub
+    snapshot's commit). Where transformers cannot read the configuration, the folder's
+    ``config.json`` and the overrides stand for it (keys of their own: not shared with vLLM)."""
+    overrides_arg = getattr(server_args, "json_model_override_args", None) or "{}"
+    try:
+        overrides = json.loads(overrides_arg) if isinstance(overrides_arg, str) else overrides_arg
     except ValueError:
-        config["overrides"] = str(overrides)
+        overrides = str(overrides_arg)
+    revision = getattr(server_args, "revision", None)
+    effective = _effective_hf_config(model, server_args, overrides)
+    if effective is not None:
+        return model_digest(model, config=effective, revision=revision)
+    config: dict[str, Any] = {"overrides": overrides}
     path = Path(model) / "config.json"
     with contextlib.suppress(OSError, ValueError):  # a hub id: its commit keys it
         config["config.json"] = json.loads(path.read_text())
-    return model_digest(model, config=config, revision=getattr(server_args, "revision", None))
+    return model_digest(model, config=config, revision=revision)
 
 
 def model_facts(server_args: object) -> ModelFacts:

@@ -116,3 +116,45 @@ def test_model_digest_follows_weights_config_and_overrides(tmp_path) -> None:
     weights.write_bytes(b"\1" * 64)
     os.utime(weights, ns=(1, weights.stat().st_mtime_ns + 10**9))
     assert digest() not in {base, edited}
+
+
+def test_model_digest_is_the_one_vllm_computes(tmp_path: Path) -> None:
+    """SGLang's digest is that of the effective Hugging Face configuration, the form vLLM's
+    adapter digests (``hf_config.to_dict()``, after its overrides), so that both engines key one
+    model alike and share its chunks through the node cache."""
+    from transformers import AutoConfig
+
+    from lmcache.model_identity import hf_config_dict, model_digest
+
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, '
+        '"num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128, '
+        '"vocab_size": 100}'
+    )
+    (folder / "model.safetensors").write_bytes(b"\0" * 64)
+
+    def vllm_side(overrides: dict[str, object]) -> str:  # vllm_model_digest of vLLM's hf_config
+        config = AutoConfig.from_pretrained(str(folder))
+        config.update(overrides)
+        return model_digest(str(folder), config=hf_config_dict(config), revision=None)
+
+    def sglang_side(**more: object) -> str:
+        return model_facts(SimpleNamespace(model_path=str(folder), **more)).model_digest
+
+    assert sglang_side() == vllm_side({})
+    overridden = sglang_side(json_model_override_args='{"rope_theta": 500000.0}')
+    assert overridden == vllm_side({"rope_theta": 500000.0}) != sglang_side()
+
+
+def test_plain_requests_get_vllms_salt_and_others_never_do() -> None:
+    """A request with neither SGLang ``extra_key`` (LoRA id included) nor ``cache_salt`` gets
+    the salt vLLM gives a plain request (``""``); every other request a salt of its own."""
+    from lmcache_sglang.mp_connector import UnifiedLMCacheMPConnector
+
+    salt = UnifiedLMCacheMPConnector.build_cache_salt
+    assert salt(None, None, None) == ""  # type: ignore[arg-type]
+    others = [("", None), (None, ""), ("s", None), (None, "lora1"), ("s", "lora1"), ("", "")]
+    salts = [salt(None, cache_salt, extra_key) for cache_salt, extra_key in others]  # type: ignore[arg-type]
+    assert "" not in salts and len(set(salts)) == len(salts)
