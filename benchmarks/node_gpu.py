@@ -13,6 +13,8 @@ private folder of this run:
 3. ``B``: the node cache, started once A stored P, with A still alive: cold TTFT of Q (nobody
    stored them), the floor, warm TTFT of P (chunks A stored, which B's prefix cache never saw),
    warm TTFT of Q (its own chunks). Then A and B exit.
+4. ``local``: lmcache's default per-process CPU tier, as A on prompts R: whether the node cache
+   is as fast as the default (``--no-local`` leaves it out).
 
 Targets: B's warm TTFT (A's chunks) within 5 % of A's warm TTFT (its own); B's cold TTFT within
 +2 % of vLLM alone's; both beside the physical bound (the prompt's KV bytes over a pinned
@@ -25,6 +27,7 @@ model, 1k-token prompts, no copy ceiling).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -198,6 +201,7 @@ def report(
     bound = (h2d_ms + floor) if h2d_ms is not None else float("nan")
     warm_ratio = med(b, "warm") / med(a, "warm")
     cold_ratio = med(b, "cold") / med(base, "cold")
+    local_warm = med(res.get("local"), "warm")
 
     def verdict(x: float, limit: float) -> str:
         return "n/a" if x != x else "met" if x <= limit else "missed"
@@ -230,6 +234,15 @@ def report(
             f"{verdict(warm_ratio, 1.05)} / {verdict(cold_ratio, 1.02)}",
         ),
         ("B: its own chunks (Q again)", b, "-", "own", "own", "", ""),
+        (
+            "per-process lmcache (the default), its own chunks (R)",
+            res.get("local"),
+            "cold",
+            "warm",
+            "warm",
+            f"node cache as fast: A's warm / this warm {times(med(a, 'warm') / local_warm)}",
+            "",
+        ),
     ]
     for name, r, cold, warm, hit, target, v in rows:
         print(
@@ -262,6 +275,7 @@ def main() -> None:
         "--memory", type=float, default=None, help="gpu_memory_utilization of each engine"
     )
     parser.add_argument("--smoke", action="store_true", help="vLLM's CPU build, 2 layers, 1k")
+    parser.add_argument("--no-local", action="store_true", help="no per-process lmcache engine")
     parser.add_argument("--verbose", action="store_true", help="vLLM's and lmcache's logs")
     parser.add_argument(
         "--keep", action="store_true", help="keep the work folder (logs; kept anyway on failure)"
@@ -357,7 +371,7 @@ def run_engines(
     kv = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     kv["kv_connector_extra_config"] = extra  # type: ignore[assignment]
     memory = args.memory or (0.3 if args.layers > 8 else 0.1)
-    seeds = {"P": [100 + i for i in range(args.reps)], "Q": [200 + i for i in range(args.reps)]}
+    seeds = {k: [s + i for i in range(args.reps)] for k, s in (("P", 100), ("Q", 200), ("R", 300))}
     common = dict(
         model=str(model),
         max_len=args.tokens + 64,
@@ -371,8 +385,17 @@ def run_engines(
         **seeds,
     )
     res: dict[str, dict[str, Any] | None] = {}
-    # each engine's share of what is left: vLLM alone a third, A half of the rest, B the rest
-    for role, share, config in (("base", 1 / 3, None), ("A", 1 / 2, kv), ("B", 1.0, kv)):
+    # each engine's share of what is left: vLLM alone a quarter, A a third of the rest, B half
+    # of what then remains, the per-process engine (the same CPU budget) the rest
+    per_process = {k: v for k, v in extra.items() if not k.startswith("lmcache.node_cache")}
+    local = dict(kv, kv_connector_extra_config=per_process)
+    engines = [("base", 1 / 4, None), ("A", 1 / 3, kv), ("B", 1 / 2, kv), ("local", 1.0, local)]
+    if args.no_local:
+        engines = [
+            (r, 1 / 3 if r == "base" else 1 / 2 if r == "A" else 1.0, c) for r, _, c in engines[:3]
+        ]
+    started: dict[str, subprocess.Popen[bytes]] = {}
+    for role, share, config in engines:
         left = end - time.time()
         if left < 60 or (role == "B" and not res.get("A")):
             print(f"{role}: skipped ({left:.0f} s of --budget-s left, A: {bool(res.get('A'))})")
@@ -385,8 +408,13 @@ def run_engines(
         log(f"{role}: starting (measures for up to {spec['deadline'] - time.time():.0f} s)")
         proc = start_engine(role, spec, work)
         procs.append(proc)
+        started[role] = proc
         res[role] = wait_result(role, proc, work, end, exit_too=role != "A")
-    (work / "B.done").touch()  # A exits
+        if role == "B":
+            (work / "B.done").touch()  # A exits before the per-process engine starts
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                started["A"].wait(max(10.0, min(90.0, end - time.time())))
+    (work / "B.done").touch()  # A exits (B skipped)
     for proc in procs:
         try:
             proc.wait(max(10.0, end + 60 - time.time()))

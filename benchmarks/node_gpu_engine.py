@@ -140,8 +140,8 @@ def run_role(runner: Runner, spec: dict[str, Any], work: Path) -> None:
         q = prompts(spec["Q"])
         n = runner.phase("cold", q)
         runner.phase("floor", q[:n])
-    elif role == "A":
-        p = prompts(spec["P"])
+    elif role in ("A", "local"):  # local: per-process lmcache, the default mode, on prompts R
+        p = prompts(spec["P"] if role == "A" else spec["R"])
         n = runner.phase("cold", p)
         runner.phase("floor", p[:n])
         runner.reset()
