@@ -229,11 +229,8 @@ class UnifiedLMCacheMPConnector:
 
     def build_cache_salt(self, cache_salt: str | None, extra_key: str | None) -> str:
         """The lmcache salt of a request: SGLang's ``extra_key`` (LoRA id included) and
-        ``cache_salt``, unambiguously (``None`` and ``""`` differ).
-
-        A request with neither gets ``""``, the salt vLLM's adapter gives a request without
-        salt or LoRA, so both engines key a plain prompt alike and share its chunks through
-        the node cache. Any other request's salt is a JSON list, never ``""``."""
+        ``cache_salt`` as a JSON list (``None`` and ``""`` differ); with neither, vLLM's plain
+        salt ``""``, so both engines share a plain prompt's chunks (node cache)."""
         if extra_key is None and cache_salt is None:
             return ""
         return json.dumps([extra_key, cache_salt], separators=(",", ":"))
