@@ -32,7 +32,8 @@ indexing and the cache engine checksums the chunks on the host. On the CPU, when
 a view of one buffer (a HiCache host pool, :func:`~lmcache_sglang.kv_pools.token_rows`) and each
 chunk's slots are one run (a page), each chunk moves with one strided copy of all its layers,
 straight between the pool and its buffer; chunks in consecutive slots whose buffers lie back to
-back move with one copy together.
+back move with one copy together, and in any other order with one indexed copy per allocation
+(:mod:`lmcache_sglang.host_pool_batches`).
 
 This module never imports SGLang.
 """
@@ -49,6 +50,7 @@ from lmcache.devices import DeviceBackend, get_backend
 from lmcache.gpu_connector.checksums import LoadChecks, StoreChecksums, staged_tokens
 from lmcache.gpu_connector.interface import ChunkTransfer, EngineInfo, KVLayoutError, TransferSpec
 from lmcache.gpu_connector.layer_range import LayerRangeConnector, engine_selector, moved_tokens
+from lmcache_sglang.host_pool_batches import page_batches
 from lmcache_sglang.kernel_transfer import KernelTransfer, paged_kv
 from lmcache_sglang.kv_pools import TokenRows, back_to_back, token_rows
 
@@ -341,6 +343,10 @@ class SGLangKVConnector(LayerRangeConnector):
     ) -> StoreChecksums | None:
         if self.kernels is not None:
             return self._from_kernels(self.kernels, layers, chunks, transfer)
+        batches = page_batches(self.rows, layers, chunks, transfer, 0, self.num_slots)
+        if batches is not None:  # pages in any order: one call per back-to-back run of buffers
+            batches.store()
+            return None
         runs = self._runs(layers, chunks, transfer, 0)
         if runs is not None:  # one copy per run of chunks, all their layers
             for pool, buf in runs:
@@ -363,10 +369,14 @@ class SGLangKVConnector(LayerRangeConnector):
     ) -> LoadChecks | None:
         if self.kernels is not None:
             return self._to_kernels(self.kernels, layers, chunks, transfer)
-        runs = self._runs(layers, chunks, transfer, transfer.skip_tokens)
+        skip = transfer.skip_tokens
+        batches = page_batches(self.rows, layers, chunks, transfer, skip, self.num_slots)
+        runs = [] if batches is not None else self._runs(layers, chunks, transfer, skip)
         if runs is not None:
             for pool, buf in runs:
                 pool.copy_(buf)
+            if batches is not None:  # pages in any order: one call per back-to-back run of buffers
+                batches.load()
             self._last_stream = transfer.stream
             return None
         rows, slots = self._slots(chunks, transfer, transfer.skip_tokens)
