@@ -43,7 +43,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from lmcache.devices import DeviceBackend, get_backend
@@ -52,7 +51,7 @@ from lmcache.gpu_connector.interface import ChunkTransfer, EngineInfo, KVLayoutE
 from lmcache.gpu_connector.layer_range import LayerRangeConnector, engine_selector, moved_tokens
 from lmcache_sglang.host_pool_batches import page_batches
 from lmcache_sglang.kernel_transfer import KernelTransfer, paged_kv
-from lmcache_sglang.kv_pools import TokenRows, back_to_back, token_rows
+from lmcache_sglang.kv_pools import Spans, TokenRows, back_to_back, slot_spans, token_rows
 
 if TYPE_CHECKING:
     from lmcache.config import LMCacheConfig
@@ -280,39 +279,28 @@ class SGLangKVConnector(LayerRangeConnector):
                     "pass slots of this pool"
                 )
 
-    def _runs(
-        self, layers: range, chunks: Sequence[ChunkTransfer], transfer: TransferSpec, skip: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """``(pool view, buffer view)`` pairs, ``[runs, len(layers), n, parts, heads, dim]``
-        each, covering every chunk's moved tokens (from ``skip`` on) when each chunk's sit in one
-        run of consecutive slots of the pool (HiCache's pages); else ``None`` (the indexed path,
-        which also reports bad slots). Whole chunks of one size whose slots follow each other
-        and whose buffers lie back to back in one allocation (what ``allocate_many`` hands out)
-        share one pair: one copy moves them all."""
+    def _spans(
+        self, chunks: Sequence[ChunkTransfer], transfer: TransferSpec, skip: int
+    ) -> Spans | None:
+        """Each chunk's run of pool slots from ``skip`` on (:func:`slot_spans`), when the pool is
+        one strided view (a HiCache host pool); else ``None`` (the indexed path)."""
         rows = self.rows
-        mapping = transfer.slot_mapping
-        if rows is None or mapping.device.type != "cpu" or mapping.dim() != 1:
+        if rows is None:
             return None
-        end = max(c.end for c in chunks)
-        if end > mapping.numel():
+        width = rows.shape[0] * rows.shape[1] * rows.shape[2]
+        return slot_spans(chunks, transfer.slot_mapping, skip, self.num_slots, width)
+
+    def _runs(self, layers: range, spans: Spans) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """``(pool view, buffer view)`` pairs, ``[runs, len(layers), n, parts, heads, dim]``
+        each, covering the ``spans`` (:meth:`_spans`); ``None`` when a run cannot be one view
+        (the indexed path, which also reports bad slots). Whole chunks of one size whose slots
+        follow each other and whose buffers lie back to back in one allocation (what
+        ``allocate_many`` hands out) share one pair: one copy moves them all."""
+        rows = self.rows
+        if rows is None:
             return None
-        slots = mapping[:end].to(torch.int64).numpy()
-        # breaks[i]: how many times the slots stop being consecutive before token i
-        breaks = np.concatenate(([0], np.cumsum(np.diff(slots) != 1)))
         shape = rows.shape
         width = shape[0] * shape[1] * shape[2]
-        spans = []
-        for c in chunks:
-            a = max(c.start, skip)
-            n = c.end - a
-            if n <= 0:
-                continue
-            first = int(slots[a])
-            if breaks[c.end - 1] != breaks[a] or first < 0 or first + n > self.num_slots:
-                return None
-            if c.buffer.shape[-1] != width:
-                return None
-            spans.append((c, a, first, n))
         out = []
         i = 0
         while i < len(spans):
@@ -343,11 +331,12 @@ class SGLangKVConnector(LayerRangeConnector):
     ) -> StoreChecksums | None:
         if self.kernels is not None:
             return self._from_kernels(self.kernels, layers, chunks, transfer)
-        batches = page_batches(self.rows, layers, chunks, transfer, 0, self.num_slots)
+        spans = self._spans(chunks, transfer, 0)
+        batches = page_batches(self.rows, layers, spans, self.num_slots)
         if batches is not None:  # pages in any order: one call per back-to-back run of buffers
             batches.store()
             return None
-        runs = self._runs(layers, chunks, transfer, 0)
+        runs = self._runs(layers, spans) if spans is not None else None
         if runs is not None:  # one copy per run of chunks, all their layers
             for pool, buf in runs:
                 buf.copy_(pool)
@@ -369,14 +358,16 @@ class SGLangKVConnector(LayerRangeConnector):
     ) -> LoadChecks | None:
         if self.kernels is not None:
             return self._to_kernels(self.kernels, layers, chunks, transfer)
-        skip = transfer.skip_tokens
-        batches = page_batches(self.rows, layers, chunks, transfer, skip, self.num_slots)
-        runs = [] if batches is not None else self._runs(layers, chunks, transfer, skip)
-        if runs is not None:
+        spans = self._spans(chunks, transfer, transfer.skip_tokens)
+        batches = page_batches(self.rows, layers, spans, self.num_slots)
+        if batches is not None:  # pages in any order: one call per back-to-back run of buffers
+            batches.load()
+            self._last_stream = transfer.stream
+            return None
+        runs = self._runs(layers, spans) if spans is not None else None
+        if runs is not None:  # one copy per run of chunks, all their layers
             for pool, buf in runs:
                 pool.copy_(buf)
-            if batches is not None:  # pages in any order: one call per back-to-back run of buffers
-                batches.load()
             self._last_stream = transfer.stream
             return None
         rows, slots = self._slots(chunks, transfer, transfer.skip_tokens)

@@ -22,14 +22,13 @@ twice) gets ``None``, and the connector takes its per-run or indexed path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
-from lmcache_sglang.kv_pools import TokenRows
+from lmcache.gpu_connector.interface import ChunkTransfer
+from lmcache_sglang.kv_pools import Spans, TokenRows
 
 __all__ = ["PageBatches", "page_batches"]
 
@@ -122,39 +121,20 @@ def _wide(units: torch.Tensor, bufs: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def page_batches(
-    rows: TokenRows | None,
-    layers: range,
-    chunks: Sequence[ChunkTransfer],
-    transfer: TransferSpec,
-    skip: int,
-    num_slots: int,
+    rows: TokenRows | None, layers: range, spans: Spans | None, num_slots: int
 ) -> PageBatches | None:
-    """The batches moving layers ``layers`` of every chunk's tokens from ``skip`` on, or
-    ``None`` for the connector's other paths (see the module docstring); ``num_slots`` is the
-    pool's size."""
-    mapping = transfer.slot_mapping
-    if rows is None or not chunks or mapping.device.type != "cpu" or mapping.dim() != 1:
+    """The batches moving layers ``layers`` of the ``spans`` (each chunk's run of pool slots,
+    :func:`~lmcache_sglang.kv_pools.slot_spans`), or ``None`` for the connector's other paths
+    (see the module docstring); ``num_slots`` is the pool's size."""
+    if rows is None or spans is None:
         return None
-    end = max(c.end for c in chunks)
-    if end > mapping.numel():
-        return None
-    slots = mapping[:end].to(torch.int64).numpy()
-    # breaks[i]: how many times the slots stop being consecutive before token i
-    breaks = np.concatenate(([0], np.cumsum(np.diff(slots) != 1)))
     parts, heads, dim = rows.shape
     width = parts * heads * dim
     whole: list[ChunkTransfer] = []
     firsts: list[int] = []
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     n = 0
-    for c in chunks:
-        a = max(c.start, skip)
-        m = c.end - a
-        if m <= 0:
-            continue
-        first = int(slots[a])
-        if breaks[c.end - 1] != breaks[a] or first < 0 or first + m > num_slots:
-            return None
+    for c, a, first, m in spans:
         buf = c.buffer
         if buf.dim() != 3 or buf.shape[0] < layers.stop or buf.shape[2] != width:
             return None  # (the connector checked the chunks' shapes and dtype before)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from lmcache.gpu_connector.interface import ChunkTransfer, EngineInfo, KVLayoutError
@@ -26,14 +27,19 @@ from lmcache_sglang.sglang_types import HostKVPool
 __all__ = [
     "HOST_LAYOUTS",
     "PoolLayers",
+    "Spans",
     "TokenRows",
     "back_to_back",
     "build_metadata",
     "device_pool_layers",
     "host_pool_layers",
     "host_layer_views",
+    "slot_spans",
     "token_rows",
 ]
+
+Spans = list[tuple[ChunkTransfer, int, int, int]]
+"""``(chunk, first token moved, first slot, tokens moved)`` per chunk (:func:`slot_spans`)."""
 
 HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 """HiCache host layouts lmcache reads and writes."""
@@ -315,9 +321,7 @@ def token_rows(
     )
 
 
-def back_to_back(
-    spans: Sequence[tuple[ChunkTransfer, int, int, int]], i: int, num_layers: int
-) -> int:
+def back_to_back(spans: Spans, i: int, num_layers: int) -> int:
     """How many ``(chunk, first token, first slot, tokens)`` spans from ``i`` on are whole
     contiguous ``[num_layers, n, width]`` buffers of one size, back to back in one allocation,
     whose slots follow each other (one strided copy moves them all)."""
@@ -336,3 +340,33 @@ def back_to_back(
             break
         k += 1
     return k
+
+
+def slot_spans(
+    chunks: Sequence[ChunkTransfer], mapping: torch.Tensor, skip: int, num_slots: int, width: int
+) -> Spans | None:
+    """``(chunk, first token, first slot, tokens)`` of every chunk's tokens from ``skip`` on,
+    when each chunk's sit in one run of consecutive slots of a pool of ``num_slots`` (HiCache's
+    pages) and its buffer rows are ``width`` wide; else ``None``. ``mapping`` is the transfer's
+    slot mapping (a CPU vector; anything else is ``None`` too)."""
+    if not chunks or mapping.device.type != "cpu" or mapping.dim() != 1:
+        return None
+    end = max(c.end for c in chunks)
+    if end > mapping.numel():
+        return None
+    slots = mapping[:end].to(torch.int64).numpy()
+    # breaks[i]: how many times the slots stop being consecutive before token i
+    breaks = np.concatenate(([0], np.cumsum(np.diff(slots) != 1)))
+    spans = []
+    for c in chunks:
+        a = max(c.start, skip)
+        n = c.end - a
+        if n <= 0:
+            continue
+        first = int(slots[a])
+        if breaks[c.end - 1] != breaks[a] or first < 0 or first + n > num_slots:
+            return None
+        if c.buffer.shape[-1] != width:
+            return None
+        spans.append((c, a, first, n))
+    return spans

@@ -122,8 +122,7 @@ def test_model_digest_is_the_one_vllm_computes(tmp_path: Path) -> None:
     """SGLang's digest is that of the effective Hugging Face configuration, the form vLLM's
     adapter digests (``hf_config.to_dict()``, after its overrides), so that both engines key one
     model alike and share its chunks through the node cache."""
-    from transformers import AutoConfig
-
+    auto_config = pytest.importorskip("transformers", reason="needs transformers").AutoConfig
     from lmcache.model_identity import hf_config_dict, model_digest
 
     folder = tmp_path / "llama"
@@ -136,7 +135,7 @@ def test_model_digest_is_the_one_vllm_computes(tmp_path: Path) -> None:
     (folder / "model.safetensors").write_bytes(b"\0" * 64)
 
     def vllm_side(overrides: dict[str, object]) -> str:  # vllm_model_digest of vLLM's hf_config
-        config = AutoConfig.from_pretrained(str(folder))
+        config = auto_config.from_pretrained(str(folder))
         config.update(overrides)
         return model_digest(str(folder), config=hf_config_dict(config), revision=None)
 

@@ -244,8 +244,8 @@ def test_batches_match_per_run_path_and_by_hand(
 def _plan(
     conn: SGLangKVConnector, slots: torch.Tensor, chunks: list[ChunkTransfer], skip: int = 0
 ) -> PageBatches | None:
-    spec = TransferSpec(slots, skip_tokens=skip)
-    return page_batches(conn.rows, range(LAYERS), chunks, spec, skip, conn.num_slots)
+    spans = conn._spans(chunks, TransferSpec(slots, skip_tokens=skip), skip)
+    return page_batches(conn.rows, range(LAYERS), spans, conn.num_slots)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

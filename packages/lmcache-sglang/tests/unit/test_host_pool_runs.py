@@ -128,7 +128,9 @@ def test_runs_match_the_indexed_path(layout: str, mla: bool, case: str, back_to_
     assert fast.rows is not None, "a host pool's layers share one buffer"
     slow.rows = None
     spec = TransferSpec(slots)
-    runs = fast._runs(range(LAYERS), _chunks(fast, sizes, back_to_back), spec, 0)
+    whole = _chunks(fast, sizes, back_to_back)
+    spans = fast._spans(whole, spec, 0)
+    runs = None if spans is None else fast._runs(range(LAYERS), spans)
     assert (None if runs is None else len(runs)) == _pairs(layout, case, back_to_back)
 
     # store: the chunks' buffers
@@ -142,7 +144,9 @@ def test_runs_match_the_indexed_path(layout: str, mla: bool, case: str, back_to_
     # load every layer from ``skip`` on, then one layer alone: the pools
     chunks = _chunks(fast, sizes, back_to_back)
     if back_to_back and case == "following pages, skip inside the first":
-        loads = fast._runs(range(LAYERS), chunks, TransferSpec(slots, skip_tokens=skip), skip)
+        spans = fast._spans(chunks, TransferSpec(slots, skip_tokens=skip), skip)
+        assert spans is not None
+        loads = fast._runs(range(LAYERS), spans)
         assert loads is not None and len(loads) == 2  # the first page's tail, then the others
     fast.to_gpu(chunks, TransferSpec(slots, skip_tokens=skip))
     slow.to_gpu(chunks, TransferSpec(slots, skip_tokens=skip))
