@@ -7,7 +7,8 @@
 - the *hooks* SGLang calls: the HiCache storage backends' methods (lmcache's
   ``LMCacheHiCacheStorage`` and SGLang's own ``HiCacheFile``: ``batch_exists``,
   ``batch_get_v1``, ``batch_set_v1``, ``batch_get``, ``batch_set``, ``get``, ``set``,
-  ``exists``) and ``--enable-lmcache``'s connectors (every public method);
+  ``exists``) and ``--enable-lmcache``'s connectors (every public method, and the commits of
+  0.5.17's stores on their own thread);
 - with ``detail`` (``--trace``), what lmcache does inside them: ``PageStore``'s key hashing,
   lookups, leases, loads and stores, the tier cascade (``stored_prefix``, ``hit_run``,
   ``keys_to_store``, ``publish``), the CPU tier (``allocate``, ``checksums``, ``get``, ``put``),
@@ -183,7 +184,7 @@ def _install_file() -> None:
 
 def _install_lmcache() -> None:
     from lmcache.cache_engine import LMCacheEngine
-    from lmcache_sglang import hicache_backend, legacy_adapter, mp_connector
+    from lmcache_sglang import hicache_backend, legacy_adapter, legacy_stores, mp_connector
 
     for name in _HOOKS:
         _wrap_hook(hicache_backend.LMCacheHiCacheStorage, name, f"lmc.{name}")
@@ -195,6 +196,8 @@ def _install_lmcache() -> None:
     for cls in connectors:
         for name in _public(cls):
             _wrap_hook(cls, name, f"{cls.__name__}.{name}", pages=False)
+    if hasattr(legacy_stores, "DeferredStores"):  # 0.5.17's stores publish on their own thread
+        _wrap_hook(legacy_stores.DeferredStores, "commit", "DeferredStores.commit", pages=False)
     for name in ("store", "retrieve", "lookup_and_lease", "copy_out", "batch_stores"):
         _wrap_hook(LMCacheEngine, name, f"engine.{name}", pages=False)  # the store thread
 

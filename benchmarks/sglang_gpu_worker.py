@@ -61,7 +61,7 @@ if __name__ == "__mp_main__":  # SGLang's scheduler (and detokenizer), spawned b
         )
 
 STORE_NAMES = ("batch_set_v1", "batch_set", "set", "store", "copy_out", "batch_stores")
-STORE_NAMES += ("store_kv", "submit_store")
+STORE_NAMES += ("store_kv", "submit_store", "DeferredStores.commit")
 
 
 def _flush(engine: Any, timeout: float = 120.0) -> None:

@@ -19,6 +19,10 @@ is leased until it is loaded or released, and any lmcache failure is a miss (0 t
 request error. Only MHA pools (``k_buffer`` / ``v_buffer``) exist on this
 path (``LMCRadixCache`` reads them).
 
+``store_kv`` returns before the host copy of the request's KV completes on a device with streams:
+SGLang's later forwards wait only for the gather out of its pools, and a lookup of the same prompt
+waits for the publication (:mod:`lmcache_sglang.legacy_stores`).
+
 On CUDA the cache engine keeps the sum the GPU computed of each stored chunk and verifies it on
 the GPU at load, by default: a chunk that fails is never written, is dropped, and
 ``retrieve_kv`` counts only the tokens before it (SGLang computes the rest).
@@ -36,7 +40,6 @@ import torch
 
 from lmcache.cache_engine import HeldHit, LayerwiseRetrieve, LMCacheEngine
 from lmcache.config import LMCacheConfig
-from lmcache.devices import get_backend
 from lmcache.gpu_connector import CreateGPUConnector
 from lmcache.gpu_connector.interface import EngineInfo, KVLayoutError, TransferSpec
 from lmcache.metadata import LMCacheMetadata
@@ -44,6 +47,7 @@ from lmcache.metrics import LMCacheMetrics
 from lmcache.model_identity import hf_config_dict, model_digest
 from lmcache.tiers import process_cpu_tier
 from lmcache_sglang.hook_config import log_start_line
+from lmcache_sglang.legacy_stores import DeferredStores
 from lmcache_sglang.mp_connector import lmcache_config_for_sglang
 from lmcache_sglang.sglang_types import TokenIds
 
@@ -231,6 +235,7 @@ class LMCacheLayerwiseConnector:
                 "passes no adapter id to lmcache; every request runs without lmcache. Use "
                 "SGLang 0.5.21+ or the HiCache backend to cache LoRA requests."
             )
+        self._stores = DeferredStores(self.engine, self.device, self.config.chunk_size)
         self._held: dict[str, HeldHit] = {}
         self._lock = threading.Lock()
         self._layerwise: LayerwiseRetrieve | None = None
@@ -260,7 +265,9 @@ class LMCacheLayerwiseConnector:
         if not self.enabled:
             return 0
         try:
-            held = self.engine.lookup_and_lease(self._tokens(token_ids, len(token_ids)))
+            tokens = self._tokens(token_ids, len(token_ids))
+            self._stores.wait_for(tokens)  # a store of this prompt still in flight
+            held = self.engine.lookup_and_lease(tokens)
         except Exception as exc:
             logger.warning("lmcache lookup failed (%r); a miss.", exc)
             return 0
@@ -310,6 +317,7 @@ class LMCacheLayerwiseConnector:
             return 0
         try:
             tokens, mask, transfer = self._load_plan(md)
+            self._stores.wait_for(tokens)  # a store of this prompt still in flight
             retrieve = self.engine.retrieve_layerwise(tokens, mask, transfer)
         except Exception as exc:
             logger.warning("lmcache layerwise load failed to start (%r); a miss.", exc)
@@ -349,16 +357,13 @@ class LMCacheLayerwiseConnector:
             retrieve.abort()
 
     def store_kv(self, md: StoreMetadata) -> int:
-        """Store the request's KV (chunks stored already are skipped); returns tokens stored."""
+        """Store the request's KV (chunks stored already are skipped); returns the tokens it
+        will publish. With streams the copy finishes after the return (:mod:`.legacy_stores`)."""
         if not self.enabled:
             return 0
         try:
             n = int(md.kv_indices.numel())
-            tokens = self._tokens(md.token_ids, n)
-            transfer = TransferSpec(md.kv_indices.to(torch.int64))
-            backend = get_backend(self.device)
-            backend.stream_synchronize(backend.current_stream(self.device))  # the KV is written
-            return self.engine.store(tokens, None, transfer)
+            return self._stores.store(self._tokens(md.token_ids, n), md.kv_indices.to(torch.int64))
         except Exception as exc:
             logger.warning("lmcache store failed (%r); skipped.", exc)
             return 0
@@ -369,6 +374,7 @@ class LMCacheLayerwiseConnector:
         for h in held:
             if not h.released:
                 h.release()
+        self._stores.close()
         self.engine.close()
 
 

@@ -14,6 +14,7 @@ is dropped, and the load reports only the tokens before it.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,10 @@ import pytest
 import torch
 import yaml
 
+from lmcache.devices import register_backend
+from lmcache.devices import registry as device_registry
 from lmcache.gpu_ops import chunk_checksum
+from lmcache.testing.recording_backend import RecordingBackend
 from lmcache.tiers import CPUTier, reset_process_cpu_tiers
 from lmcache_sglang import legacy_adapter, mp_connector
 from lmcache_sglang.legacy_adapter import LMCacheLayerwiseConnector, LoadMetadata, StoreMetadata
@@ -193,4 +197,64 @@ def test_unified_enable_lmcache_verifies_on_the_device_by_default(
         conn.complete_load(conn.submit_load(again, dst[:8], local_hit_tokens=0))
         conn.finish_request("r2")
     finally:
+        conn.close()
+
+
+def test_legacy_store_returns_before_its_copy_and_sglang_waits_only_for_the_gather(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang 0.5.17-0.5.19 may reuse the pages once ``store_kv`` returns and answers the
+    request only after it: the store returns with the chunks unpublished, the caller's stream
+    waits for the gather out of the pools (not for the host copy), a lookup of the prompt waits
+    for the publication, another prompt's does not, and the loaded KV is the stored KV."""
+    monkeypatch.setattr(device_registry, "_BACKENDS", dict(device_registry._BACKENDS))
+    backend = RecordingBackend("cpu")
+    register_backend(backend, clobber=True)
+    _simulate_cuda(monkeypatch, legacy_adapter)
+    pool = _pool(3)
+    conn = _legacy(tmp_path, pool)
+    gate = threading.Event()
+    commit = conn._stores.commit
+
+    def gated(*args: Any) -> int:
+        gate.wait(30)
+        return commit(*args)
+
+    monkeypatch.setattr(conn._stores, "commit", gated)
+    try:
+        caller = backend.current_stream(torch.device("cpu"))
+        src = torch.arange(8, 32)
+        backend.clear()
+        assert conn.store_kv(StoreMetadata(None, TOKENS, src)) == 24
+        assert _entries(conn.engine.tier) == []  # nothing published before the host copy
+        waits = [c for c in backend.of("wait_event") if c.detail[0] is caller]
+        copies = [i for i, c in enumerate(backend.calls) if c.name.startswith("copy")]
+        assert len(waits) == 1 and copies
+        at = backend.calls.index(waits[0])
+        assert at > copies[-1]
+        # the event the caller waits on was recorded before the copies to the host
+        (event,) = waits[0].detail[1:2]
+        recorded = [i for i, c in enumerate(backend.calls) if event in c.detail]
+        assert recorded and recorded[0] < copies[0]
+
+        other: list[int] = []
+        worker = threading.Thread(target=lambda: other.append(conn.lookup_kv(list(range(9, 33)))))
+        worker.start()
+        worker.join(30)
+        assert other == [0]  # another prompt does not wait for this store
+        same: list[int] = []
+        worker = threading.Thread(target=lambda: same.append(conn.lookup_kv(TOKENS)))
+        worker.start()
+        worker.join(0.2)
+        assert same == []  # this prompt's lookup waits for the publication
+        gate.set()
+        worker.join(30)
+        assert same == [24]
+        _check_device_sums(conn.engine.tier)
+        assert conn.lookup_kv(TOKENS, "r1") == 24
+        dst = torch.arange(64, 88)
+        assert conn.retrieve_kv(LoadMetadata(TOKENS, dst, request_id="r1")) == 24
+        assert torch.equal(_rows(pool, dst), _rows(pool, src))
+    finally:
+        gate.set()
         conn.close()
