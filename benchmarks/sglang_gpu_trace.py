@@ -203,9 +203,10 @@ def _install_lmcache() -> None:
 
 
 def _install_detail() -> None:
+    from lmcache.cache_engine import LMCacheEngine
     from lmcache.tiers import cascade
     from lmcache.tiers.cpu_tier import CPUTier
-    from lmcache_sglang import page_store
+    from lmcache_sglang import kernel_transfer, legacy_stores, page_store
     from lmcache_sglang.gpu_connector import SGLangKVConnector
 
     for name in ("key", "prefix_pages", "hold", "load", "store", "put_pages", "_write", "_touch"):
@@ -225,8 +226,17 @@ def _install_detail() -> None:
         "missing",
     ):
         _wrap_inner(CPUTier, name, f"CPUTier.{name}")
-    for name in ("from_gpu", "to_gpu", "synchronize"):
+    for name in ("from_gpu", "to_gpu", "synchronize", "_staged_slots"):
         _wrap_inner(SGLangKVConnector, name, f"connector.{name}")
+    for name in ("index", "store", "_staging"):  # the kernel path's steps (--enable-lmcache)
+        _wrap_inner(kernel_transfer.KernelTransfer, name, f"kernels.{name}")
+    _wrap_inner(LMCacheEngine, "plan_store", "engine.plan_store")
+    from lmcache.devices import cuda as cuda_backend
+
+    for name in ("stream_synchronize", "event_synchronize"):  # host waits for the device
+        _wrap_inner(cuda_backend.CudaBackend, name, f"cuda.{name}")
+    if hasattr(legacy_stores, "DeferredStores"):
+        _wrap_inner(legacy_stores.DeferredStores, "store", "DeferredStores.store")
     _count_copies(SGLangKVConnector)
     if hasattr(page_store, "chunk_checksum"):
         _wrap_inner(page_store, "chunk_checksum", "chunk_checksum")

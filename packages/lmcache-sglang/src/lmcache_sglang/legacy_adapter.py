@@ -363,7 +363,7 @@ class LMCacheLayerwiseConnector:
             return 0
         try:
             n = int(md.kv_indices.numel())
-            return self._stores.store(self._tokens(md.token_ids, n), md.kv_indices.to(torch.int64))
+            return self._stores.store(self._tokens(md.token_ids, n), md.kv_indices)
         except Exception as exc:
             logger.warning("lmcache store failed (%r); skipped.", exc)
             return 0

@@ -5,9 +5,10 @@
 SGLang may reuse the request's pages as soon as the call returns. On a device with streams a
 store here therefore runs in four steps:
 
-1. a copy stream of ours waits for the caller's stream (the forward wrote the KV);
-2. on it, the chunks' KV is gathered out of SGLang's pools and its copy to pinned host buffers
-   is enqueued;
+1. the request's slots are read to the host on a small stream of ours, and a copy stream of
+   ours waits for the caller's stream (the forward wrote the KV);
+2. on the copy stream, the chunks' KV is gathered out of SGLang's pools and its copy to pinned
+   host buffers is enqueued;
 3. the caller's stream waits for the gather only; SGLang orders every later forward (and every
    load) after its scheduler's stream, so no page is rewritten before the gather read it;
 4. the call returns; a commit thread waits for the host copy and publishes the chunks.
@@ -52,7 +53,9 @@ class DeferredStores:
         self._device = device
         self._chunk = int(chunk_size)
         self._backend = get_backend(device)
-        self._stream = self._backend.new_stream(device) if self._backend.has_streams else None
+        streams = self._backend.has_streams
+        self._stream = self._backend.new_stream(device) if streams else None
+        self._index_stream = self._backend.new_stream(device) if streams else None
         self._commits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-sgl-commit")
         self._lock = threading.Lock()
         self._in_flight: dict[Future[int], tuple[int, ...]] = {}
@@ -65,8 +68,13 @@ class DeferredStores:
         """
         backend, stream = self._backend, self._stream
         caller = backend.current_stream(self._device)
-        if stream is None:
-            return self._engine.store(tokens, None, TransferSpec(slots))
+        if stream is None or self._index_stream is None:
+            return self._engine.store(tokens, None, TransferSpec(slots.to(torch.int64)))
+        # The slots were written before the forward that finished the request, which has
+        # completed: read them on a stream of their own. On the caller's stream the read waits
+        # for the forward SGLang queued since (tens of ms); on ours, for the last host copy.
+        with backend.use_stream(self._index_stream):
+            slots = slots.to("cpu", torch.int64)
         backend.wait_event(stream, backend.event_after(caller))  # the forward wrote the KV
         read: list[Any] = []
 
