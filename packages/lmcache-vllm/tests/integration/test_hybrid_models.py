@@ -5,8 +5,8 @@ A tiny random Gemma-3 text model (5 sliding-window layers of window 64, then a f
 one) gets one KV cache group per layer. lmcache keeps one stream per group: the full-attention
 group's chunks hold every hit token, the sliding groups' chunks are loaded only inside the window
 before the hit's end. A tiny Nemotron-H (Mamba-2, attention, MLP) starts and serves with lmcache,
-which stores and loads nothing for it (no recurrent state is stored yet); on the CPU vLLM 0.32
-serves it only with its own prefix cache off, and then keeps no state at chunk boundaries.
+which stores and loads nothing for it (no recurrent state is stored yet), with vLLM's prefix cache
+off and with its Mamba prefix-caching mode on (vLLM's own hits still work).
 
 Every test compares greedy tokens with vLLM without lmcache and counts the hit.
 """
@@ -192,8 +192,7 @@ def test_in_tree_name_runs_with_the_hybrid_manager_off(gemma3, gemma3_want):
 def test_mamba_hybrid_model_serves_with_lmcache(nemotron_h):
     """Nemotron-H (Mamba-2 state groups): the engine starts with the hybrid manager on and
     serves with lmcache, tokens identical to vLLM alone; lmcache stores and loads nothing.
-    vLLM 0.32's CPU build needs its prefix cache off for this model (its Mamba prefix-caching
-    mode fails on the CPU), so it keeps no state at chunk boundaries: no hit is possible."""
+    With vLLM's prefix cache off no state at a chunk boundary is kept: no hit is possible."""
     prompt = PROMPTS["p300"]
     want = _reference(nemotron_h, prompt)
     llm = LLM(
@@ -207,6 +206,35 @@ def test_mamba_hybrid_model_serves_with_lmcache(nemotron_h):
         assert m.get("vllm:lmcache_stored_tokens", 0) == 0, m
         assert m.get("vllm:lmcache_loaded_tokens", 0) == 0, m
         assert not live_engines()
+    finally:
+        shutdown_engine(llm)
+
+
+MAMBA_ALIGN: dict[str, Any] = {
+    "enable_prefix_caching": True,
+    "mamba_cache_mode": "align",
+    "max_num_batched_tokens": BLOCK,  # longer CPU steps fail (see the test below)
+    "prefix_cache_retention_interval": BLOCK,
+}
+
+
+def test_mamba_hybrid_with_vllms_mamba_prefix_cache_and_lmcache(nemotron_h):
+    """vLLM's Mamba prefix-caching mode (``mamba_cache_mode="align"``) beside lmcache: vLLM's
+    own prefix cache still hits (the state at the last block boundary before the prompt's end),
+    with the tokens of vLLM without any cache; lmcache stores and loads nothing. On the CPU this
+    mode needs prefill steps no longer than a block: vLLM 0.32's CPU Mamba-2 scan returns no
+    per-chunk states, which a longer step's checkpoint indexes (``IndexError`` in
+    ``mamba_mixer2``)."""
+    prompt = PROMPTS["p300"]
+    want = _reference(nemotron_h, prompt)
+    llm = LLM(**engine_kwargs(nemotron_h, kv_transfer_config=ktc(PLUGIN_KTC), **MAMBA_ALIGN))
+    try:
+        assert llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+        assert _generate(llm, prompt) == (want, 0)
+        assert _generate(llm, prompt) == (want, (len(prompt) - 1) // BLOCK * BLOCK)
+        m = metrics_of(llm)
+        assert m.get("vllm:lmcache_stored_tokens", 0) == 0, m
+        assert m.get("vllm:lmcache_loaded_tokens", 0) == 0, m
     finally:
         shutdown_engine(llm)
 
