@@ -382,7 +382,7 @@ def main() -> None:
     log(f"run: {time.monotonic() - t_start:.0f} s; results in {work / 'results.json'}")
     differs = {e: r["differs"] for e, r in results.items() if r.get("differs")}
     if differs:
-        raise SystemExit(f"greedy tokens differ from the cold request's: {differs}")
+        raise SystemExit(f"greedy tokens differ from their reference: {differs}")
 
 
 if __name__ == "__main__":
