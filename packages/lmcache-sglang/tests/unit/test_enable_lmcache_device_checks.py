@@ -200,13 +200,11 @@ def test_unified_enable_lmcache_verifies_on_the_device_by_default(
         conn.close()
 
 
-def test_legacy_store_returns_before_its_copy_and_sglang_waits_only_for_the_gather(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """SGLang 0.5.17-0.5.19 may reuse the pages once ``store_kv`` returns and answers the
-    request only after it: the store returns with the chunks unpublished, the caller's stream
-    waits for the gather out of the pools (not for the host copy), a lookup of the prompt waits
-    for the publication, another prompt's does not, and the loaded KV is the stored KV."""
+def _deferred(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: bool = False
+) -> tuple[RecordingBackend, Any, LMCacheLayerwiseConnector, threading.Event]:
+    """The legacy connector on a device with streams (the recording stand-in of CUDA), its
+    commits held until the returned event is set (``fail``: waiting for the copy raises)."""
     monkeypatch.setattr(device_registry, "_BACKENDS", dict(device_registry._BACKENDS))
     backend = RecordingBackend("cpu")
     register_backend(backend, clobber=True)
@@ -216,11 +214,61 @@ def test_legacy_store_returns_before_its_copy_and_sglang_waits_only_for_the_gath
     gate = threading.Event()
     commit = conn._stores.commit
 
-    def gated(*args: Any) -> int:
+    def gated(staged: Any, copied: Any) -> int:
         gate.wait(30)
-        return commit(*args)
+        return int(commit(staged, copied))
+
+    if fail:
+
+        def broken(event: Any) -> None:
+            raise OSError("the device failed")
+
+        monkeypatch.setattr(backend, "event_synchronize", broken)
 
     monkeypatch.setattr(conn._stores, "commit", gated)
+    return backend, pool, conn, gate
+
+
+def test_legacy_close_publishes_the_stores_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Closing the connector waits for the stores it started: their chunks are published."""
+    _, _, conn, gate = _deferred(tmp_path, monkeypatch)
+    tier = conn.engine.tier
+    assert conn.store_kv(StoreMetadata(None, TOKENS, torch.arange(8, 32))) == 24
+    closer = threading.Thread(target=conn.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive() and _entries(tier) == []  # waits for the commit
+    gate.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    _check_device_sums(tier)
+
+
+def test_legacy_store_that_fails_after_returning_is_a_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store whose publication fails (after ``store_kv`` returned) is a miss for the next
+    lookup, which does not raise, and its buffers go back to the pool."""
+    _, _, conn, gate = _deferred(tmp_path, monkeypatch, fail=True)
+    try:
+        assert conn.store_kv(StoreMetadata(None, TOKENS, torch.arange(8, 32))) == 24
+        gate.set()
+        assert conn.lookup_kv(TOKENS) == 0
+        assert _entries(conn.engine.tier) == [] and conn.engine.tier.pool.used_bytes == 0
+    finally:
+        conn.close()
+
+
+def test_legacy_store_returns_before_its_copy_and_sglang_waits_only_for_the_gather(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang 0.5.17-0.5.19 may reuse the pages once ``store_kv`` returns and answers the
+    request only after it: the store returns with the chunks unpublished, the caller's stream
+    waits for the gather out of the pools (not for the host copy), a lookup of the prompt waits
+    for the publication, another prompt's does not, and the loaded KV is the stored KV."""
+    backend, pool, conn, gate = _deferred(tmp_path, monkeypatch)
     try:
         caller = backend.current_stream(torch.device("cpu"))
         src = torch.arange(8, 32)
