@@ -9,6 +9,9 @@
   in every host layout.
 - :mod:`lmcache_sglang.mp_connector` / :mod:`lmcache_sglang.mp_metadata`: what SGLang 0.5.21+'s
   ``--enable-lmcache`` imports through ``lmcache.integration.sglang.*``, in process.
+- :mod:`lmcache_sglang.legacy_adapter` / :mod:`lmcache_sglang.legacy_stores`: SGLang
+  0.5.17-0.5.19's ``--enable-lmcache`` connectors, in process; a store returns before its copy to
+  the host, and a lookup of the same prompt waits for it.
 - :mod:`lmcache_sglang.gpu_connector`: ``sglang.cpu`` / ``sglang.cuda`` connectors for SGLang's
   K/V and MLA pools (no SGLang import).
 - :mod:`lmcache_sglang.page_store`: pages keyed by SGLang's page hash plus model and rank;
