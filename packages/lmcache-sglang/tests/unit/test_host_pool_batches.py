@@ -22,12 +22,11 @@ import torch
 
 import lmcache_sglang.gpu_connector as gpu_connector
 import lmcache_sglang.host_pool_batches as host_pool_batches
-from lmcache.config import LMCacheConfig
-from lmcache.gpu_connector.interface import ChunkTransfer, EngineInfo, TransferSpec
-from lmcache.metadata import LMCacheMetadata
+from lmcache.gpu_connector.interface import ChunkTransfer, TransferSpec
 from lmcache_sglang.gpu_connector import SGLangKVConnector
 from lmcache_sglang.host_pool_batches import PageBatches, page_batches
-from lmcache_sglang.kv_pools import host_layer_views
+
+from . import test_host_pool_runs as host_pool_runs
 
 LAYERS, PAGES, PAGE, HEADS, DIM, LATENT = 3, 24, 4, 2, 8, 24
 SLOTS = PAGES * PAGE
@@ -57,25 +56,7 @@ def _pool(layout: str, mla: bool) -> torch.Tensor:
 
 
 def _connector(buf: torch.Tensor, layout: str, mla: bool) -> SGLangKVConnector:
-    caches, kv_layout = host_layer_views(buf, layout, LAYERS, mla)
-    md = LMCacheMetadata(
-        model_name="m",
-        world_size=1,
-        worker_id=0,
-        local_worker_id=0,
-        local_world_size=1,
-        kv_dtype=torch.bfloat16,
-        num_layers=LAYERS,
-        num_kv_heads=1 if mla else HEADS,
-        head_size_k=LATENT if mla else DIM,
-        head_size_v=0 if mla else DIM,
-        use_mla=mla,
-        chunk_size=PAGE,
-    )
-    engine = EngineInfo("sglang", "cpu", caches, {"page_size": PAGE})
-    conn = SGLangKVConnector(
-        LMCacheConfig(), md, engine, {"kv_layout": kv_layout, "page_size": PAGE}
-    )
+    conn = host_pool_runs._connector(buf, layout, mla)  # the same geometry but PAGES
     assert conn.rows is not None
     return conn
 
