@@ -16,6 +16,7 @@ __all__ = [
     "LoadSpec",
     "ReqMeta",
     "SaveSpec",
+    "StateSaves",
     "Tracker",
     "WorkerStats",
     "copied_groups",
@@ -86,6 +87,26 @@ class ReqMeta:
 
 
 @dataclass
+class StateSaves:
+    """A request's Mamba states that this step's forward writes, to be stored after it.
+
+    Attributes:
+        req_id: vLLM's request id.
+        token_ids: The request's tokens up to the last boundary below.
+        salt: Key salt of the request, as in :class:`ReqMeta`.
+        extra_keys: Per-chunk key material, as in :class:`ReqMeta`.
+        states: ``(group, block_id, boundary)`` as vLLM offers them: the state after
+            ``boundary`` tokens, in block ``block_id`` of KV cache group ``group``.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    salt: str = ""
+    extra_keys: dict[int, bytes] = field(default_factory=dict)
+    states: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+@dataclass
 class LMCacheConnectorMetadata(_VllmMetadata):  # type: ignore[misc]
     """Per-step metadata from the scheduler-side connector to the workers.
 
@@ -97,11 +118,13 @@ class LMCacheConnectorMetadata(_VllmMetadata):  # type: ignore[misc]
             speculative tokens vLLM accepted in that step (known only after it). vLLM has freed
             their blocks: the workers copy them in ``handle_preemptions``, before anything of
             this step rewrites a page, or not at all.
+        state_saves: Mamba states this step writes (:mod:`lmcache_vllm.worker.mamba_states`).
     """
 
     requests: list[ReqMeta] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     finished: list[ReqMeta] = field(default_factory=list)
+    state_saves: list[StateSaves] = field(default_factory=list)
 
 
 @dataclass

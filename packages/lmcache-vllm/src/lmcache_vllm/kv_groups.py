@@ -20,8 +20,14 @@ advances, and a block freed before the save holds another request's KV by then. 
 model with a sliding group end on a chunk boundary (:func:`hit_alignment`), so a chunk ``[a,
 e)`` is only ever needed from ``e - W + 1`` on.
 
-Groups of any other kind (Mamba or linear-attention state, chunked local attention, ...) are
-not supported yet: for such a model the connector stores and loads nothing
+- Mamba state (``kind == "mamba"``): the recurrent state after token ``N``, one page per
+  group. vLLM exposes it only in its Mamba prefix-caching mode, at block boundaries; lmcache
+  stores the states vLLM offers and loads the one at the hit's end
+  (:mod:`lmcache_vllm.worker.mamba_states`). A boundary without a stored state is no hit.
+
+Mamba groups need that mode and a vLLM that takes failed loads per request
+(:func:`mamba_states_off` says why not). Without them, and for groups of any other kind
+(chunked local attention, ...), the connector stores and loads nothing for the model
 (:func:`unsupported_kinds`), and vLLM computes every token, as without lmcache.
 
 This module imports nothing of vLLM: specs are told apart by class name.
@@ -45,22 +51,26 @@ __all__ = [
     "group_tag",
     "hit_alignment",
     "kv_groups",
+    "mamba_states_off",
     "split_metadata",
+    "state_alignment",
     "unsupported_kinds",
 ]
 
 UNSUPPORTED_GROUPS = (
-    "lmcache: this model's KV cache has %s groups, which lmcache does not store yet (recurrent "
-    "state); lmcache stores and loads nothing for this engine, and vLLM computes every prompt "
-    "as it does without lmcache."
+    "lmcache: this model's KV cache has %s groups, which lmcache cannot store here%s; lmcache "
+    "stores and loads nothing for this engine, and vLLM computes every prompt as it does "
+    "without lmcache."
 )
-"""Logged once per engine whose KV cache has a group lmcache cannot store (``%s``: kinds)."""
+"""Logged once per engine whose KV cache has a group lmcache cannot store (``%s``: kinds, then
+why, e.g. :func:`mamba_states_off`)."""
 
 NULL_BLOCK = 0
 """vLLM's null block id: a block-table entry for tokens a group holds no KV for."""
 
 _FULL = ("FullAttentionSpec", "MLAAttentionSpec")
 _SLIDING = ("SlidingWindowSpec", "SlidingWindowMLASpec")
+_MAMBA = ("MambaSpec",)
 
 
 @dataclass(frozen=True)
@@ -69,8 +79,8 @@ class KVGroup:
 
     Attributes:
         index: Position in ``kv_cache_config.kv_cache_groups`` (and in per-group block ids).
-        kind: ``"full"``, ``"sliding"`` or, for anything lmcache cannot store yet, the spec's
-            class name.
+        kind: ``"full"``, ``"sliding"``, ``"mamba"`` or, for anything lmcache cannot store,
+            the spec's class name.
         layer_names: vLLM's names of the group's layers.
         block_size: Tokens per block of this group.
         window: Sliding window in tokens (``0`` unless ``kind == "sliding"``).
@@ -83,7 +93,8 @@ class KVGroup:
     window: int = 0
 
     @property
-    def supported(self) -> bool:
+    def paged(self) -> bool:
+        """Whether the group holds per-token KV (one stream of chunks)."""
         return self.kind in ("full", "sliding")
 
 
@@ -93,6 +104,8 @@ def _kind(spec: object) -> str:
         return "full"
     if name in _SLIDING and int(getattr(spec, "sliding_window", 0) or 0) > 0:
         return "sliding"
+    if name in _MAMBA:
+        return "mamba"
     return name
 
 
@@ -109,9 +122,33 @@ def kv_groups(kv_cache_config: object, default_block_size: int) -> list[KVGroup]
     return out
 
 
-def unsupported_kinds(groups: Sequence[KVGroup]) -> list[str]:
-    """Kinds of the groups lmcache cannot store (``[]`` when it can store all of them)."""
-    return sorted({g.kind for g in groups if not g.supported})
+def unsupported_kinds(groups: Sequence[KVGroup], mamba_states: bool = False) -> list[str]:
+    """Kinds of the groups lmcache cannot store (``[]`` when it can store all of them);
+    ``mamba_states``: Mamba groups can be stored (:func:`mamba_states_off` is empty)."""
+    return sorted({g.kind for g in groups if not (g.paged or (mamba_states and g.kind == "mamba"))})
+
+
+def mamba_states_off(vllm_config: object, async_loads: bool) -> str:
+    """Why this engine's Mamba states cannot be stored and loaded (``""`` when they can).
+
+    vLLM keeps a state at block boundaries only in its Mamba prefix-caching mode. A state load
+    that fails must be reported per request (``failed_recving``, vLLM 0.32 and later).
+    """
+    cache = getattr(vllm_config, "cache_config", None)
+    if getattr(cache, "mamba_cache_mode", "none") != "align" or not getattr(
+        cache, "enable_prefix_caching", False
+    ):
+        return (
+            " (vLLM keeps no recurrent state at block boundaries: start it with "
+            "--enable-prefix-caching --mamba-cache-mode align "
+            "--prefix-cache-retention-interval <a multiple of the block size>)"
+        )
+    if not async_loads:
+        return (
+            " (this vLLM cannot be told per request that a load failed: it has no "
+            "KVConnectorTransferResults.failed_recving; vLLM 0.32 and later has it)"
+        )
+    return ""
 
 
 def group_tag(group: KVGroup, num_groups: int) -> str:
@@ -124,11 +161,19 @@ def group_tag(group: KVGroup, num_groups: int) -> str:
 
 
 def hit_alignment(groups: Sequence[KVGroup], chunk_size: int, block_size: int) -> int:
-    """Where hits may end: on a block boundary, and with a sliding group also on a chunk
-    boundary (a chunk is then only needed from ``end - window + 1`` on, see :func:`group_save`)."""
-    if not any(g.kind == "sliding" for g in groups):
-        return block_size
-    return math.lcm(chunk_size, block_size, *(g.block_size for g in groups))
+    """Where hits may end: on a block boundary of every group, and with a sliding group also
+    on a chunk boundary (a chunk is then only needed from ``end - window + 1`` on, see
+    :func:`group_save`). A Mamba group's blocks end where vLLM keeps its states."""
+    if any(g.kind == "sliding" for g in groups):
+        return math.lcm(chunk_size, block_size, *(g.block_size for g in groups))
+    return math.lcm(block_size, *(g.block_size for g in groups))
+
+
+def state_alignment(hit_align: int, chunk_size: int) -> int:
+    """Where a hit of a Mamba model may end: where any hit may (``hit_align``), and on a chunk
+    boundary. An asynchronous load gets vLLM's blocks up to the hit's end only, so it loads
+    whole chunks: a hit inside a chunk would need the rest of its chunk."""
+    return math.lcm(hit_align, chunk_size)
 
 
 def _live(blocks: Sequence[int], lo: int, hi: int, block_size: int) -> bool:

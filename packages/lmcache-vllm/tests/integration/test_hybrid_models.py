@@ -4,9 +4,10 @@
 A tiny random Gemma-3 text model (5 sliding-window layers of window 64, then a full-attention
 one) gets one KV cache group per layer. lmcache keeps one stream per group: the full-attention
 group's chunks hold every hit token, the sliding groups' chunks are loaded only inside the window
-before the hit's end. A tiny Nemotron-H (Mamba-2, attention, MLP) starts and serves with lmcache,
-which stores and loads nothing for it (no recurrent state is stored yet), with vLLM's prefix cache
-off and with its Mamba prefix-caching mode on (vLLM's own hits still work).
+before the hit's end. A tiny Nemotron-H (Mamba-2, attention, MLP) starts and serves with lmcache.
+With vLLM's prefix cache off, lmcache stores and loads nothing for it (vLLM keeps no state at a
+chunk boundary). In vLLM's Mamba prefix-caching mode lmcache stores the attention chunks and the
+Mamba states vLLM offers, and hits load both.
 
 Every test compares greedy tokens with vLLM without lmcache and counts the hit.
 """
@@ -218,23 +219,123 @@ MAMBA_ALIGN: dict[str, Any] = {
 }
 
 
-def test_mamba_hybrid_with_vllms_mamba_prefix_cache_and_lmcache(nemotron_h):
-    """vLLM's Mamba prefix-caching mode (``mamba_cache_mode="align"``) beside lmcache: vLLM's
-    own prefix cache still hits (the state at the last block boundary before the prompt's end),
-    with the tokens of vLLM without any cache; lmcache stores and loads nothing. On the CPU this
-    mode needs prefill steps no longer than a block: vLLM 0.32's CPU Mamba-2 scan returns no
-    per-chunk states, which a longer step's checkpoint indexes (``IndexError`` in
-    ``mamba_mixer2``)."""
+@pytest.fixture
+def mamba_states(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The :class:`MambaStates` of the engines built in the test."""
+    from lmcache_vllm.worker.mamba_states import MambaStates
+
+    seen: list[Any] = []
+    original = MambaStates.__init__
+
+    def record(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        seen.append(self)
+
+    monkeypatch.setattr(MambaStates, "__init__", record)
+    return seen
+
+
+def _logprobs(llm: LLM, prompt: list[int]) -> tuple[list[int], list[float], int]:
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+    tokens = list(out.outputs[0].token_ids)
+    lps = [d[t].logprob for d, t in zip(out.outputs[0].logprobs or [], tokens, strict=True)]
+    return tokens, lps, int(out.num_cached_tokens or 0)
+
+
+def _state_entries(states: Any, prompt: list[int], boundary: int) -> list[Any]:
+    """The tier's entries of the states after ``boundary`` tokens of ``prompt``, per group."""
+    keys = states._group_keys(states._keys(prompt, "", {}, boundary).at(boundary))
+    return [process_tier()._entries.get(k) for k in keys]
+
+
+def test_mamba_hybrid_hits_from_lmcache(nemotron_h, mamba_states):
+    """vLLM's Mamba prefix-caching mode with lmcache: the attention chunks and the Mamba
+    states at block boundaries are stored; after vLLM's prefix cache is reset, lmcache loads
+    both and the tokens and logprobs are those of the first run (the tokens those of vLLM
+    without any cache). A prompt sharing the first 300 tokens hits the same 256."""
+    prompt, ext = PROMPTS["p300"], PROMPTS["p300_ext"]
+    want, want_ext = _reference(nemotron_h, prompt), _reference(nemotron_h, ext)
+    llm = LLM(**engine_kwargs(nemotron_h, kv_transfer_config=ktc(PLUGIN_KTC), **MAMBA_ALIGN))
+    try:
+        assert llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+        tokens, first, cached = _logprobs(llm, prompt)
+        assert (tokens, cached) == (want, 0)
+        (states,) = mamba_states
+        assert all(e is not None for e in _state_entries(states, prompt, 256))
+        assert llm.reset_prefix_cache()
+        assert _logprobs(llm, prompt) == (want, first, 256)
+        m = metrics_of(llm)
+        assert m.get("vllm:lmcache_loaded_tokens", 0) == 256, m
+        assert m.get("vllm:lmcache_failed_load_tokens", 0) == 0, m
+        assert llm.reset_prefix_cache()
+        assert _generate(llm, ext) == (want_ext, 256)
+    finally:
+        shutdown_engine(llm)
+
+
+def test_mamba_state_damaged_or_missing_is_no_hit(nemotron_h, mamba_states):
+    """A damaged state fails its checksum and its boundary is no hit: the chunk boundary below
+    is. With no state left, no token is loaded. Every request gives vLLM's tokens."""
     prompt = PROMPTS["p300"]
     want = _reference(nemotron_h, prompt)
     llm = LLM(**engine_kwargs(nemotron_h, kv_transfer_config=ktc(PLUGIN_KTC), **MAMBA_ALIGN))
     try:
-        assert llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
-        assert _generate(llm, prompt) == (want, 0)
-        assert _generate(llm, prompt) == (want, (len(prompt) - 1) // BLOCK * BLOCK)
+        tokens, first, _ = _logprobs(llm, prompt)
+        assert tokens == want
+        (states,) = mamba_states
+        at_256 = _state_entries(states, prompt, 256)
+        with torch.inference_mode():
+            at_256[0].lease.tensor[7] ^= 1  # one bit of group 0's state after 256 tokens
+        assert llm.reset_prefix_cache()
+        assert _logprobs(llm, prompt) == (want, first, 192)
+        for n in range(CHUNK, 257, CHUNK):
+            for entry in _state_entries(states, prompt, n):
+                if entry is not None:
+                    entry.lease.tensor.zero_()
+        assert llm.reset_prefix_cache()
+        assert _logprobs(llm, prompt) == (want, first, 0)
         m = metrics_of(llm)
-        assert m.get("vllm:lmcache_stored_tokens", 0) == 0, m
-        assert m.get("vllm:lmcache_loaded_tokens", 0) == 0, m
+        assert m.get("vllm:lmcache_failed_load_tokens", 0) == 0, m
+    finally:
+        shutdown_engine(llm)
+
+
+def test_mamba_state_of_another_boundary_changes_the_output(nemotron_h, mamba_states):
+    """Control: the state after 192 tokens stored under the key of the state after 256 (with
+    its checksum) is loaded, and the logprobs differ from the first run's."""
+    from lmcache.tiers import tensor_checksum
+
+    prompt = PROMPTS["p300"]
+    llm = LLM(**engine_kwargs(nemotron_h, kv_transfer_config=ktc(PLUGIN_KTC), **MAMBA_ALIGN))
+    try:
+        _, first, _ = _logprobs(llm, prompt)
+        (states,) = mamba_states
+        for wrong, right in zip(
+            _state_entries(states, prompt, 192), _state_entries(states, prompt, 256), strict=True
+        ):
+            right.lease.tensor.copy_(wrong.lease.tensor)
+            right.checksum = tensor_checksum(right.lease.tensor)
+        assert llm.reset_prefix_cache()
+        _, lps, cached = _logprobs(llm, prompt)
+        assert cached == 256 and lps != first
+    finally:
+        shutdown_engine(llm)
+
+
+@pytest.mark.parametrize(("length", "hit"), [(300, 0), (260, 256)], ids=["p300", "p260"])
+def test_mamba_hits_need_a_retained_state(nemotron_h, length, hit):
+    """With vLLM's default retention (0) it offers only the state at the last block boundary
+    before the prompt's end. Hits end on chunk boundaries (64): for 300 tokens that state (288)
+    is none, and nothing is loaded; for 260 tokens it is (256), and the hit loads it."""
+    prompt = PROMPTS["p300"][:length]
+    want = _reference(nemotron_h, prompt)
+    engine = dict(MAMBA_ALIGN, prefix_cache_retention_interval=0)
+    llm = LLM(**engine_kwargs(nemotron_h, kv_transfer_config=ktc(PLUGIN_KTC), **engine))
+    try:
+        assert _generate(llm, prompt) == (want, 0)
+        assert llm.reset_prefix_cache()
+        assert _generate(llm, prompt) == (want, hit)
     finally:
         shutdown_engine(llm)
 

@@ -80,7 +80,7 @@ def test_vllm_specs_are_read_as_groups():
     assert [(g.kind, g.window, g.block_size) for g in groups] == [
         ("full", 0, BLOCK),
         ("sliding", 128, BLOCK),
-        ("MambaSpec", 0, 1024),
+        ("mamba", 0, 1024),
     ]
 
 

@@ -20,7 +20,9 @@ from lmcache_vllm.kv_groups import (
     group_tag,
     hit_alignment,
     kv_groups,
+    mamba_states_off,
     split_metadata,
+    state_alignment,
     unsupported_kinds,
 )
 
@@ -58,9 +60,10 @@ def test_groups_are_told_apart_by_spec_class():
     assert [(g.index, g.kind, g.window, g.block_size) for g in groups] == [
         (0, "sliding", WINDOW, BLOCK),
         (1, "full", 0, BLOCK),
-        (2, "MambaSpec", 0, 1024),
+        (2, "mamba", 0, 1024),
     ]
-    assert unsupported_kinds(groups) == ["MambaSpec"]
+    assert unsupported_kinds(groups) == ["mamba"]
+    assert unsupported_kinds(groups, mamba_states=True) == []
     assert unsupported_kinds(groups[:2]) == []
     assert kv_groups(None, 16) == []
     tags = {group_tag(g, 3) for g in groups}
@@ -71,6 +74,28 @@ def test_hits_of_a_model_with_a_sliding_group_end_on_chunk_boundaries():
     assert hit_alignment([FULL], CHUNK, BLOCK) == BLOCK
     assert hit_alignment([FULL, SLIDING], CHUNK, BLOCK) == CHUNK
     assert hit_alignment([FULL, SLIDING], 48, 32) == 96
+
+
+def test_hits_of_a_mamba_model_end_on_state_and_chunk_boundaries():
+    mamba = KVGroup(1, "mamba", ("model.layers.1.mixer",), 48)
+    assert hit_alignment([FULL, mamba], CHUNK, BLOCK) == 48  # every group's blocks
+    assert state_alignment(48, CHUNK) == 192  # and whole chunks (asynchronous loads)
+
+
+@pytest.mark.parametrize(
+    ("mode", "prefix", "async_loads", "off"),
+    [
+        ("align", True, True, ""),
+        ("none", False, True, "--mamba-cache-mode align"),
+        ("align", True, False, "failed_recving"),
+    ],
+)
+def test_mamba_states_need_vllms_align_mode_and_failed_recving(mode, prefix, async_loads, off):
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(mamba_cache_mode=mode, enable_prefix_caching=prefix)
+    )
+    why = mamba_states_off(cfg, async_loads)
+    assert (why == "") if not off else (off in why)
 
 
 def test_full_group_saves_and_loads_everything():

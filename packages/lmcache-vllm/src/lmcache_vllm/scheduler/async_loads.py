@@ -25,13 +25,19 @@ a vLLM every hit is loaded asynchronously:
 A request whose load succeeded counts its hit as stored: the save of its first scheduled step
 starts after the hit, as for a synchronous load.
 
+A Mamba model's states (vLLM's Mamba prefix-caching mode) are saved from vLLM's offers: each
+step's metadata carries the states that step's forward writes, at boundaries where hits may end
+(:meth:`AsyncLoadsSchedulerSide.state_saves`, stored by
+:mod:`lmcache_vllm.worker.mamba_states`).
+
 A dense model (one group) never comes here: its loads stay synchronous, errors per block.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from functools import partial
 
 from lmcache.config import LMCacheConfig
 from lmcache_vllm.connector_metadata import (
@@ -39,8 +45,10 @@ from lmcache_vllm.connector_metadata import (
     LoadSpec,
     ReqMeta,
     SaveSpec,
+    StateSaves,
     Tracker,
 )
+from lmcache_vllm.kv_groups import state_alignment
 from lmcache_vllm.scheduler.request_keys import chunk_extra_keys
 from lmcache_vllm.scheduler.side import SchedulerSide
 from lmcache_vllm.vllm_types import SchedulerOutput, SchedulerRequest, VllmConfig
@@ -160,7 +168,39 @@ class AsyncLoadsSchedulerSide(SchedulerSide):
         meta = super().build_connector_meta(scheduler_output)
         owed, self._owed = self._owed, {}
         meta.requests.extend(owed.values())
+        meta.state_saves = self.state_saves(scheduler_output)
         return meta
+
+    def state_saves(self, scheduler_output: SchedulerOutput) -> list[StateSaves]:
+        """The Mamba states vLLM offers in this step (``boundary_state_offloads``: the step's
+        forward writes them), at boundaries where hits may end and within the tokens saved."""
+        if self.inert or self.kv_role == "kv_consumer":
+            return []
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(block_state, "boundary_state_offloads", None) or {}
+        out: list[StateSaves] = []
+        for rid, states in offers.items():
+            offered = partial(self._offered, out, str(rid), states)
+            self._guard("build_connector_meta", str(rid), None, offered)
+        return out
+
+    def _offered(self, out: list[StateSaves], rid: str, states: Sequence[Sequence[int]]) -> None:
+        request, tracker = self._requests.get(rid), self._trackers.get(rid)
+        if request is None or tracker is None:
+            return  # not cached (a skipped request) or unknown
+        known = len(request.all_token_ids)
+        limit = known if self.config.save_decode_cache else min(known, tracker.prompt_len)
+        keep = [
+            (int(g), int(block), int(n))
+            for g, block, n in states
+            if 0 < int(n) <= limit
+            and int(n) % state_alignment(self.hit_align, self.chunk_size) == 0
+        ]
+        if keep:
+            top = max(n for *_, n in keep)
+            extra = chunk_extra_keys(tracker.extra_keys, top, self.chunk_size)
+            tokens = [int(t) for t in request.all_token_ids[:top]]
+            out.append(StateSaves(rid, tokens, tracker.salt, extra, keep))
 
     def update_connector_output(
         self, finished_recving: Collection[str], failed_recving: Collection[str]

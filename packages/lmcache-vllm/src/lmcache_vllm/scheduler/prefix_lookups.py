@@ -24,9 +24,17 @@ __all__ = [
     "LATE_GRACE_S",
     "LOOKUP_THREADS",
     "QUICK_ANSWER_S",
+    "SEVERAL_NODES",
     "PrefixLookups",
     "runs_off_thread",
 ]
+
+SEVERAL_NODES = (
+    "lmcache: this engine's %d worker ranks span several nodes (%d on this node); lookups reach "
+    "only this node's ranks, so lmcache loads nothing for this engine (every prompt is computed) "
+    "and only stores. Run each engine within one node to get hits."
+)
+"""Logged once at start-up by an engine whose ranks span nodes (``%d``: ranks, on this node)."""
 
 ASYNC_LOOKUP_TIMEOUT_S = 30.0
 """Deadline of one asynchronous lookup (disk / remote tiers): it runs off the scheduler thread,

@@ -50,12 +50,17 @@ from lmcache_vllm.kv_groups import (
     UNSUPPORTED_GROUPS,
     hit_alignment,
     kv_groups,
+    mamba_states_off,
     unsupported_kinds,
 )
 from lmcache_vllm.lookup_sockets import engine_key
 from lmcache_vllm.lookup_wire import LookupQuery
 from lmcache_vllm.scheduler.guard import GuardedHooks
-from lmcache_vllm.scheduler.prefix_lookups import PrefixLookups, runs_off_thread
+from lmcache_vllm.scheduler.prefix_lookups import (
+    SEVERAL_NODES,
+    PrefixLookups,
+    runs_off_thread,
+)
 from lmcache_vllm.scheduler.request_keys import (
     RequestKey,
     RequestKeyer,
@@ -89,6 +94,8 @@ class SchedulerSide(GuardedHooks):
             says; a group lmcache cannot store turns the connector off for the engine.
     """
 
+    loads_async = False  # several groups: hits load asynchronously (AsyncLoadsSchedulerSide)
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -121,21 +128,16 @@ class SchedulerSide(GuardedHooks):
         groups = kv_groups(kv_cache_config, self.block_size)
         self.multi_group = len(groups) > 1
         self.hit_align = hit_alignment(groups, self.chunk_size, self.block_size)
-        unsupported = unsupported_kinds(groups) if self.multi_group else []
+        mamba_off = mamba_states_off(vllm_config, self.loads_async)
+        unsupported = unsupported_kinds(groups, not mamba_off) if self.multi_group else []
         self.inert = bool(unsupported)  # lmcache stores and loads nothing for this engine
         if self.inert:
             self.loads_enabled = False
-            logger.warning(UNSUPPORTED_GROUPS, ", ".join(unsupported))
+            why = mamba_off if "mamba" in unsupported else ""
+            logger.warning(UNSUPPORTED_GROUPS, ", ".join(unsupported), why)
         if world_size > local_world_size:
             self.loads_enabled = False
-            logger.warning(
-                "lmcache: this engine's %d worker ranks span several nodes (%d on this node); "
-                "lookups reach only this node's ranks, so lmcache loads nothing for this engine "
-                "(every prompt is computed) and only stores. Run each engine within one node to "
-                "get hits.",
-                world_size,
-                local_world_size,
-            )
+            logger.warning(SEVERAL_NODES, world_size, local_world_size)
 
     def _on_failure(self, request_id: str) -> None:
         self._load_specs.pop(request_id, None)
@@ -268,9 +270,7 @@ class SchedulerSide(GuardedHooks):
         key = self._key(request) if request is not None else RequestKey(skip_reason="unknown")
         if key.skip_reason is not None or request is None or self.inert:
             return
-        hit_saved = 0
-        if load is not None:
-            hit_saved = load.lmcache_hit // self.chunk_size * self.chunk_size
+        hit_saved = load.lmcache_hit // self.chunk_size * self.chunk_size if load else 0
         tracker = Tracker(
             req_id=rid,
             prompt_len=len(prompt),

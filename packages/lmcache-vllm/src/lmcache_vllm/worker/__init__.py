@@ -4,7 +4,9 @@
 It runs in every worker process, one per tensor-parallel rank.
 vLLM's forward thread calls ``WorkerSide`` (:mod:`~lmcache_vllm.worker.side`) around each step.
 With several KV cache groups it calls ``GroupedWorkerSide`` (:mod:`~lmcache_vllm.worker.grouped`),
-which fans each hook out to one ``WorkerSide`` per group.
+which fans each hook out to one ``WorkerSide`` per attention group.
+Mamba groups' states at chunk boundaries are stored and loaded by
+:mod:`~lmcache_vllm.worker.mamba_states`.
 There every load is asynchronous, and :mod:`~lmcache_vllm.worker.async_loads` tells vLLM the
 outcome per request.
 Loads are in :mod:`~lmcache_vllm.worker.loads`.

@@ -123,6 +123,17 @@ class AsyncLoads:
                 load.blocks = [a | b for a, b in zip(earlier.blocks, load.blocks, strict=False)]
             self._started[req.req_id] = load
 
+    def fail(self, req_id: str, why: str) -> None:
+        """This step's load of ``req_id`` failed outside the streams (a Mamba state)."""
+        load = self._started.get(req_id)
+        if load is not None:
+            load.why = load.why or why
+
+    def failed(self, req_id: str) -> bool:
+        """Whether this step's load of ``req_id`` has failed so far."""
+        load = self._started.get(req_id)
+        return load is None or bool(load.why)
+
     def fail_started(self, why: str) -> None:
         """Every load of this step failed (a stream raised)."""
         for load in self._started.values():

@@ -13,11 +13,15 @@ is in the fingerprint). :class:`GroupedWorkerSide` fans every vLLM hook out to t
   holds, and the answer is the shortest of their hits (the scheduler rounds it down to where
   hits may end, :func:`lmcache_vllm.kv_groups.hit_alignment`).
 
+Mamba groups have no stream: their states at hit boundaries are stored, looked up and loaded
+by :class:`~lmcache_vllm.worker.mamba_states.MambaStates`, and a lookup's hit is cut down to a
+boundary with a state for every Mamba group.
+
 With one KV cache group none of this runs: the adapter builds a plain ``WorkerSide``.
 
-A model with a group lmcache cannot store (Mamba or linear-attention state, ...) gets no stream
-at all: the scheduler side asks nothing and saves nothing for it
-(:data:`lmcache_vllm.kv_groups.UNSUPPORTED_GROUPS`).
+A model with a group lmcache cannot store here (see
+:func:`lmcache_vllm.kv_groups.unsupported_kinds`) gets no stream at all: the scheduler side asks
+nothing and saves nothing for it (:data:`lmcache_vllm.kv_groups.UNSUPPORTED_GROUPS`).
 
 vLLM cannot take block-level load errors from a connector with several groups (it raises). On
 a vLLM with ``failed_recving`` (``async_loads``) every load is asynchronous and its outcome is
@@ -39,11 +43,19 @@ import torch
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.config import LMCacheConfig
 from lmcache_vllm.connector_metadata import LMCacheConnectorMetadata
-from lmcache_vllm.kv_groups import KVGroup, group_tag, split_metadata, unsupported_kinds
+from lmcache_vllm.kv_groups import (
+    KVGroup,
+    group_tag,
+    hit_alignment,
+    mamba_states_off,
+    split_metadata,
+    unsupported_kinds,
+)
 from lmcache_vllm.lookup_wire import LookupQuery
 from lmcache_vllm.vllm_types import VllmConfig
 from lmcache_vllm.worker.async_loads import AsyncLoads
 from lmcache_vllm.worker.lookup_server import LookupServer
+from lmcache_vllm.worker.mamba_states import MambaStates
 from lmcache_vllm.worker.side import WorkerSide
 
 __all__ = ["GroupedWorkerSide"]
@@ -88,8 +100,12 @@ class GroupedWorkerSide:
     ) -> None:
         self.chunk_size = config.chunk_size
         self.engine_key, self.rank = engine_key, rank
-        self.unsupported = unsupported_kinds(groups)
-        self.groups = [] if self.unsupported else list(groups)
+        self.unsupported = unsupported_kinds(groups, not mamba_states_off(vllm_config, async_loads))
+        usable = [] if self.unsupported else list(groups)
+        self.groups = [g for g in usable if g.paged]  # one stream each
+        mamba = [g for g in usable if g.kind == "mamba"]
+        align = hit_alignment(groups, config.chunk_size, int(vllm_config.cache_config.block_size))
+        self.mamba = MambaStates(mamba, config.chunk_size, align) if mamba else None
         self._get_metadata = get_metadata
         self._split_lock = threading.Lock()
         self._split_of: object = None
@@ -138,18 +154,24 @@ class GroupedWorkerSide:
             return
         for g, stream in zip(self.groups, self.streams, strict=True):
             stream.register_kv_caches({n: kv_caches[n] for n in g.layer_names if n in kv_caches})
+        if self.mamba is not None:
+            self.mamba.register(kv_caches, self.lmcache_engine)
         if self._lookup_server is None:
             self._lookup_server = LookupServer(
                 self.engine_key, self.rank, self._lookup, self._clear
             )
 
     def _lookup(self, query: LookupQuery) -> int:
-        """Every stream looks up and leases; the hit is the shortest of theirs."""
-        return min((s._lookup(query) for s in self.streams), default=0)
+        """Every stream looks up and leases; the hit is the shortest of theirs, cut down to a
+        boundary with a state for every Mamba group."""
+        hit = min((s._lookup(query) for s in self.streams), default=0)
+        return self.mamba.hit(query, hit) if self.mamba is not None and hit else hit
 
     def _clear(self) -> None:
         for stream in self.streams:
             stream._clear()
+        if self.mamba is not None:
+            self.mamba.clear()
 
     # ------------------------------------------------------------------ per step
 
@@ -192,9 +214,23 @@ class GroupedWorkerSide:
         try:
             for stream in self.streams:
                 stream.start_load_kv()
+            if self.mamba is not None and isinstance(meta, LMCacheConnectorMetadata):
+                self._load_states(meta, self.mamba, tracker)
         except Exception as exc:
             logger.exception("lmcache: a stream's loads failed")
             tracker.fail_started(f"a stream raised {exc!r}")
+
+    @staticmethod
+    def _load_states(
+        meta: LMCacheConnectorMetadata, mamba: MambaStates, tracker: AsyncLoads
+    ) -> None:
+        """Write the Mamba states at the end of each load that has not failed so far."""
+        for req in meta.requests:
+            if req.load is None or tracker.failed(req.req_id):
+                continue
+            why = mamba.load(req)
+            if why:
+                tracker.fail(req.req_id, why)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         stream = self._by_layer.get(layer_name)
@@ -210,6 +246,12 @@ class GroupedWorkerSide:
         """Each stream finishes its loads and queues its saves; with asynchronous loads, the
         outcome of every load started so far is then known (:meth:`AsyncLoads.settle`)."""
         tracker = self.async_loads
+        meta = self._get_metadata()
+        if self.mamba is not None and isinstance(meta, LMCacheConnectorMetadata):
+            try:  # the forward wrote the offered states: copy them before any later step
+                self.mamba.save(meta.state_saves)
+            except Exception:
+                logger.exception("lmcache: storing Mamba states failed; they are no hits")
         try:
             for stream in self.streams:
                 stream.wait_for_save()
@@ -232,6 +274,8 @@ class GroupedWorkerSide:
         ids = list(finished_req_ids)
         for stream in self.streams:
             stream.get_finished(ids)
+        if self.mamba is not None:
+            self.mamba.release(ids)
 
     @property
     def held_leases(self) -> int:
@@ -275,3 +319,5 @@ class GroupedWorkerSide:
             self._lookup_server = None
         for stream in self.streams:
             stream.shutdown()
+        if self.mamba is not None:
+            self.mamba.close()
