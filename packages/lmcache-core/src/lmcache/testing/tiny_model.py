@@ -240,7 +240,8 @@ def build_tiny_nemotron_h(
     ``layers_block_type`` gives each layer's kind: ``"linear_attention"`` (a Mamba-2 mixer with
     ``mamba_num_heads`` heads of ``mamba_head_dim``, one group, state size
     ``ssm_state_size``), ``"full_attention"`` or ``"mlp"``. Files, seeding and reuse as for
-    :func:`build_tiny_llama`. vLLM 0.32's CPU build serves it only with its prefix cache off.
+    :func:`build_tiny_llama`. vLLM 0.32's CPU build serves it with its prefix cache off, or in its
+    Mamba prefix-caching mode with prefill steps of at most one block.
     """
     params: dict[str, Any] = {
         "format": _FORMAT_VERSION,
