@@ -274,6 +274,23 @@ def test_mamba_hybrid_hits_from_lmcache(nemotron_h, mamba_states):
         shutdown_engine(llm)
 
 
+def test_mamba_hit_on_top_of_vllms_own_hit(nemotron_h):
+    """vLLM holds the first 128 tokens (its own cache, from a shorter prompt), lmcache the
+    first 256: lmcache loads [128, 256) and the state after 256 tokens, tokens identical."""
+    prompt = PROMPTS["p300"]
+    want = _reference(nemotron_h, prompt)
+    llm = LLM(**engine_kwargs(nemotron_h, kv_transfer_config=ktc(PLUGIN_KTC), **MAMBA_ALIGN))
+    try:
+        assert _generate(llm, prompt) == (want, 0)
+        assert llm.reset_prefix_cache()
+        assert _generate(llm, prompt[:150])[1] == 128  # lmcache's hit, now in vLLM's cache
+        loaded = metrics_of(llm).get("vllm:lmcache_loaded_tokens", 0)
+        assert _generate(llm, prompt) == (want, 256)
+        assert metrics_of(llm).get("vllm:lmcache_loaded_tokens", 0) - loaded == 128
+    finally:
+        shutdown_engine(llm)
+
+
 def test_mamba_state_damaged_or_missing_is_no_hit(nemotron_h, mamba_states):
     """A damaged state fails its checksum and its boundary is no hit: the chunk boundary below
     is. With no state left, no token is loaded. Every request gives vLLM's tokens."""
@@ -324,14 +341,16 @@ def test_mamba_state_of_another_boundary_changes_the_output(nemotron_h, mamba_st
 
 
 @pytest.mark.parametrize(("length", "hit"), [(300, 0), (260, 256)], ids=["p300", "p260"])
-def test_mamba_hits_need_a_retained_state(nemotron_h, length, hit):
+def test_mamba_hits_need_a_retained_state(nemotron_h, length, hit, caplog):
     """With vLLM's default retention (0) it offers only the state at the last block boundary
     before the prompt's end. Hits end on chunk boundaries (64): for 300 tokens that state (288)
-    is none, and nothing is loaded; for 260 tokens it is (256), and the hit loads it."""
+    is none, and nothing is loaded; for 260 tokens it is (256), and the hit loads it. lmcache
+    says so at start-up, with the interval to set."""
     prompt = PROMPTS["p300"][:length]
     want = _reference(nemotron_h, prompt)
     engine = dict(MAMBA_ALIGN, prefix_cache_retention_interval=0)
     llm = LLM(**engine_kwargs(nemotron_h, kv_transfer_config=ktc(PLUGIN_KTC), **engine))
+    assert "Start vLLM with --prefix-cache-retention-interval 64" in caplog.text
     try:
         assert _generate(llm, prompt) == (want, 0)
         assert llm.reset_prefix_cache()

@@ -48,7 +48,7 @@ from lmcache_vllm.connector_metadata import (
     StateSaves,
     Tracker,
 )
-from lmcache_vllm.kv_groups import state_alignment
+from lmcache_vllm.kv_groups import kv_groups, state_alignment
 from lmcache_vllm.scheduler.request_keys import chunk_extra_keys
 from lmcache_vllm.scheduler.side import SchedulerSide
 from lmcache_vllm.vllm_types import SchedulerOutput, SchedulerRequest, VllmConfig
@@ -66,6 +66,14 @@ NO_FAILED_RECVING = (
     "A vLLM with failed_recving (0.32 and later) gets hits."
 )
 """Logged once at start-up by the scheduler side of an engine in that case (``%d``: groups)."""
+
+MAMBA_RETENTION = (
+    "lmcache: hits of this Mamba model end on multiples of %d tokens (chunk_size and the block "
+    "sizes), and vLLM keeps a state there only when --prefix-cache-retention-interval divides "
+    "it (it is %s; 0 keeps only the last block boundary of each prompt): most prompts will get "
+    "no hit from lmcache. Start vLLM with --prefix-cache-retention-interval %d."
+)
+"""Logged once at start-up when vLLM's retained Mamba states miss lmcache's hit boundaries."""
 
 
 def block_ids_of(blocks: object) -> list[list[int]]:
@@ -101,6 +109,12 @@ class AsyncLoadsSchedulerSide(SchedulerSide):
         self._owed: dict[str, ReqMeta] = {}  # loads for the next step's metadata
         self._hit_saved: dict[str, int] = {}  # tokens an async load stores for its request
         self._failed_loads: set[str] = set()  # requests whose async load failed: no more hits
+        self.state_step = state_alignment(self.hit_align, self.chunk_size)
+        mamba = any(g.kind == "mamba" for g in kv_groups(kv_cache_config, self.block_size))
+        retention = getattr(vllm_config.cache_config, "prefix_cache_retention_interval", 0)
+        sparse = retention is not None and (retention == 0 or self.state_step % retention)
+        if mamba and not self.inert and sparse:  # retention None: vLLM keeps every state
+            logger.warning(MAMBA_RETENTION, self.state_step, retention, self.state_step)
 
     # ------------------------------------------------------------------ vLLM entry points
 
