@@ -13,24 +13,16 @@ offers (``boundary_state_offloads``, 0.32 and later).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
-import torch
+
+from lmcache_vllm.testing import build_tiny_gemma3, build_tiny_nemotron_h
+
+# skips this module without a CUDA GPU, and sets vLLM's environment for in-process engines
+from .test_real_vllm_cuda import PROMPT, _gen, _llm, _shutdown
 
 pytestmark = pytest.mark.gpu
-
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU and vLLM's CUDA build", allow_module_level=True)
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-
-from lmcache_vllm.testing import build_tiny_gemma3, build_tiny_nemotron_h  # noqa: E402
-
-from .test_real_vllm_cuda import PROMPT, _gen, _llm, _shutdown  # noqa: E402
 
 CHUNK, WINDOW = 256, 64
 KV: dict[str, Any] = {
