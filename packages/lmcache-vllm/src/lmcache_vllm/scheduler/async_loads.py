@@ -69,9 +69,10 @@ NO_FAILED_RECVING = (
 
 MAMBA_RETENTION = (
     "lmcache: hits of this Mamba model end on multiples of %d tokens (chunk_size and the block "
-    "sizes), and vLLM keeps a state there only when --prefix-cache-retention-interval divides "
-    "it (it is %s; 0 keeps only the last block boundary of each prompt): most prompts will get "
-    "no hit from lmcache. Start vLLM with --prefix-cache-retention-interval %d."
+    "sizes), and vLLM keeps Mamba states only at multiples of --prefix-cache-retention-interval "
+    "(%s; 0 keeps only each prompt's last block boundary): most prompts will get no hit from "
+    "lmcache. Start vLLM with --prefix-cache-retention-interval set to a multiple of %d (each "
+    "state kept holds every Mamba layer's state: a larger interval keeps fewer)."
 )
 """Logged once at start-up when vLLM's retained Mamba states miss lmcache's hit boundaries."""
 
@@ -112,7 +113,10 @@ class AsyncLoadsSchedulerSide(SchedulerSide):
         self.state_step = state_alignment(self.hit_align, self.chunk_size)
         mamba = any(g.kind == "mamba" for g in kv_groups(kv_cache_config, self.block_size))
         retention = getattr(vllm_config.cache_config, "prefix_cache_retention_interval", 0)
-        sparse = retention is not None and (retention == 0 or self.state_step % retention)
+        step = self.state_step  # hits need a state there; vLLM keeps multiples of retention
+        sparse = retention is not None and (
+            retention == 0 or (retention % step and step % retention)
+        )
         if mamba and not self.inert and sparse:  # retention None: vLLM keeps every state
             logger.warning(MAMBA_RETENTION, self.state_step, retention, self.state_step)
 
