@@ -340,17 +340,23 @@ def test_mamba_state_of_another_boundary_changes_the_output(nemotron_h, mamba_st
         shutdown_engine(llm)
 
 
-@pytest.mark.parametrize(("length", "hit"), [(300, 0), (260, 256)], ids=["p300", "p260"])
-def test_mamba_hits_need_a_retained_state(nemotron_h, length, hit, caplog):
-    """With vLLM's default retention (0) it offers only the state at the last block boundary
-    before the prompt's end. Hits end on chunk boundaries (64): for 300 tokens that state (288)
-    is none, and nothing is loaded; for 260 tokens it is (256), and the hit loads it. lmcache
-    says so at start-up, with the interval to set."""
+@pytest.mark.parametrize(
+    ("retention", "length", "hit"),
+    [(0, 300, 0), (0, 260, 256), (128, 300, 256)],
+    ids=["default-p300", "default-p260", "every-128-p300"],
+)
+def test_mamba_hits_need_a_retained_state(nemotron_h, retention, length, hit, caplog):
+    """vLLM keeps states at multiples of its retention interval, and with the default (0) only
+    at the last block boundary before the prompt's end. Hits end on chunk boundaries (64): for
+    300 tokens that last state (288) is none, and nothing is loaded; for 260 tokens it is
+    (256), and the hit loads it. lmcache warns at start-up, naming the interval to set. Every
+    128 tokens: a hit at 256, no warning."""
     prompt = PROMPTS["p300"][:length]
     want = _reference(nemotron_h, prompt)
-    engine = dict(MAMBA_ALIGN, prefix_cache_retention_interval=0)
+    engine = dict(MAMBA_ALIGN, prefix_cache_retention_interval=retention)
     llm = LLM(**engine_kwargs(nemotron_h, kv_transfer_config=ktc(PLUGIN_KTC), **engine))
-    assert "--prefix-cache-retention-interval set to a multiple of 64" in caplog.text
+    warned = "--prefix-cache-retention-interval set to a multiple of 64" in caplog.text
+    assert warned == (retention == 0)
     try:
         assert _generate(llm, prompt) == (want, 0)
         assert llm.reset_prefix_cache()
