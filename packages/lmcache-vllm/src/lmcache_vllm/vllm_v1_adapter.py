@@ -11,7 +11,8 @@ It holds a :class:`~lmcache_vllm.scheduler.side.SchedulerSide` or a
 :class:`~lmcache_vllm.worker.side.WorkerSide`, whose module docstrings walk through each step.
 With several KV cache groups (vLLM's hybrid KV cache manager) the worker holds a
 :class:`~lmcache_vllm.worker.grouped.GroupedWorkerSide`, one ``WorkerSide`` per attention group
-(Mamba states beside them, :mod:`lmcache_vllm.worker.mamba_states`), and loads are asynchronous so that a failed one is reported per request
+(Mamba states beside them, :mod:`lmcache_vllm.worker.mamba_states`), and loads are asynchronous
+so that a failed one is reported per request
 (:mod:`lmcache_vllm.scheduler.async_loads`); on a vLLM that cannot take that report, nothing is
 loaded for several groups.
 The two sides talk through the plain data of :mod:`lmcache_vllm.connector_metadata`.

@@ -245,7 +245,7 @@ def _logprobs(llm: LLM, prompt: list[int]) -> tuple[list[int], list[float], int]
 
 def _state_entries(states: Any, prompt: list[int], boundary: int) -> list[Any]:
     """The tier's entries of the states after ``boundary`` tokens of ``prompt``, per group."""
-    keys = states._group_keys(states._keys(prompt, "", {}, boundary).at(boundary))
+    keys = states._group_keys(states._keys(prompt, "", {}, boundary), boundary)
     return [process_tier()._entries.get(k) for k in keys]
 
 

@@ -211,13 +211,12 @@ class AsyncLoadsSchedulerSide(SchedulerSide):
         keep = [
             (int(g), int(block), int(n))
             for g, block, n in states
-            if 0 < int(n) <= limit
-            and int(n) % state_alignment(self.hit_align, self.chunk_size) == 0
+            if 0 < int(n) <= limit and int(n) % self.state_step == 0
         ]
         if keep:
             top = max(n for *_, n in keep)
             extra = chunk_extra_keys(tracker.extra_keys, top, self.chunk_size)
-            tokens = [int(t) for t in request.all_token_ids[:top]]
+            tokens = list(request.all_token_ids[:top])
             out.append(StateSaves(rid, tokens, tracker.salt, extra, keep))
 
     def update_connector_output(

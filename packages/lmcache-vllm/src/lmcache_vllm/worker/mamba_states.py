@@ -73,10 +73,10 @@ def _page(cache: torch.Tensor, block: int) -> torch.Tensor:
 
 
 class _Held:
-    """States a lookup leased for a request, until its load or end."""
+    """States a lookup leased for a request (kept from eviction until its load or end)."""
 
-    def __init__(self, boundary: int, leases: list[MemoryLease]) -> None:
-        self.boundary, self.leases, self.since = boundary, leases, time.monotonic()
+    def __init__(self, leases: list[MemoryLease]) -> None:
+        self.leases, self.since = leases, time.monotonic()
 
     def release(self) -> None:
         for lease in self.leases:
@@ -133,20 +133,38 @@ class MambaStates:
 
     def _keys(
         self, tokens: Sequence[int] | np.ndarray, salt: str, extra: Mapping[int, bytes], top: int
-    ) -> _KeyMaker:
+    ) -> list[bytes]:
+        """The request's chunk chain up to ``top`` tokens, seeded with the state seed in place
+        of the model fingerprint (so no chunk has these keys); hashed once per request."""
         engine = self._engine
         assert engine is not None
-        return _KeyMaker(
-            tokens,
-            engine.config.cache_salt + "\0" + salt,
-            dict(extra),
-            top,
-            self.chunk_size,
+        full = top // self.chunk_size
+        return chunk_keys(
+            tokens[: full * self.chunk_size],
             self._seed,
+            self.chunk_size,
+            salt=engine.config.cache_salt + "\0" + salt,
+            extra_keys={i: v for i, v in extra.items() if i < full},
         )
 
-    def _group_keys(self, base: bytes) -> list[bytes]:
-        return [xxhash.xxh3_128(base + g.index.to_bytes(4, "little")).digest() for g in self.groups]
+    def _group_keys(self, chain: Sequence[bytes], boundary: int) -> list[bytes]:
+        """Each group's key of the state after ``boundary`` tokens (a chunk boundary)."""
+        i = boundary // self.chunk_size - 1
+        if boundary % self.chunk_size or not 0 <= i < len(chain):
+            raise ValueError(f"lmcache: no state key at {boundary} tokens")
+        return [
+            xxhash.xxh3_128(chain[i] + g.index.to_bytes(4, "little")).digest() for g in self.groups
+        ]
+
+    def _pairs(
+        self, group: int, block: int, buffer: torch.Tensor
+    ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's page of ``block`` in ``group``, with its part of the host ``buffer``."""
+        offset = 0
+        for cache in self._pages[group]:
+            page = _page(cache, block)
+            yield page, buffer[offset : offset + page.numel()]
+            offset += page.numel()
 
     # ------------------------------------------------------------------ save
 
@@ -161,14 +179,14 @@ class MambaStates:
             wanted = [s for s in save.states if s[2] > 0 and s[2] % self.align == 0]
             if not wanted or max(b for _, _, b in wanted) > len(save.token_ids):
                 continue
-            keys = self._keys(
+            chain = self._keys(
                 save.token_ids, save.salt, save.extra_keys, max(b for *_, b in wanted)
             )
+            position = {g.index: i for i, g in enumerate(self.groups)}
             for group_index, block, boundary in wanted:
-                g = next((i for i, g in enumerate(self.groups) if g.index == group_index), None)
-                if g is None or block == NULL_BLOCK:
+                if group_index not in position or block == NULL_BLOCK:
                     continue
-                key = self._group_keys(keys.at(boundary))[g]
+                key = self._group_keys(chain, boundary)[position[group_index]]
                 if tier.touch(key):
                     continue  # stored already (vLLM offers a loaded state back)
                 lease = tier.allocate(
@@ -177,12 +195,9 @@ class MambaStates:
                 if lease is None:
                     continue
                 try:
-                    dst, offset = lease.tensor, 0
-                    for cache in self._pages[group_index]:
-                        page = _page(cache, block)
-                        dst[offset : offset + page.numel()].copy_(page)
-                        offset += page.numel()
-                    tier.put(key, lease, tensor_checksum(dst), owner=self._seed)
+                    for page, part in self._pairs(group_index, block, lease.tensor):
+                        part.copy_(page)
+                    tier.put(key, lease, tensor_checksum(lease.tensor), owner=self._seed)
                 finally:
                     lease.release()
 
@@ -198,15 +213,15 @@ class MambaStates:
         top = min(limit, len(tokens) - 1) // self.align * self.align
         if engine is None or top <= 0:
             return 0
-        keys = self._keys(tokens, query.salt, query.extra_keys, top)
+        chain = self._keys(tokens, query.salt, query.extra_keys, top)
         for boundary in range(top, 0, -self.align):
-            group_keys = self._group_keys(keys.at(boundary))
+            group_keys = self._group_keys(chain, boundary)
             if engine.tier.missing(group_keys):
-                continue
+                continue  # no state verified in vain (a state can be tens of MB)
             leases = self._get(group_keys)
             if leases is not None:
                 with self._lock:
-                    self._held[req_id] = _Held(boundary, leases)
+                    self._held[req_id] = _Held(leases)
                 return boundary
         return 0
 
@@ -244,7 +259,7 @@ class MambaStates:
         n = load.load_end
         if n % self.align or n > len(req.token_ids) or req.group_block_ids is None:
             return f"Mamba states: a hit at {n} tokens cannot be loaded"
-        keys = self._group_keys(self._keys(req.token_ids, req.salt, req.extra_keys, n).at(n))
+        keys = self._group_keys(self._keys(req.token_ids, req.salt, req.extra_keys, n), n)
         leases = self._get(keys)  # the tier verifies each state's checksum here, before the copy
         if leases is None:
             return f"Mamba states: a state at {n} tokens is missing or damaged"
@@ -254,13 +269,10 @@ class MambaStates:
                 col = (n - 1) // g.block_size
                 if col >= len(blocks) or blocks[col] == NULL_BLOCK:
                     return f"Mamba group {g.index}: no block for the state at {n} tokens"
-                src, offset = lease.tensor, 0
-                if src.numel() != self._nbytes[g.index]:
-                    return f"Mamba group {g.index}: a state of {src.numel()} bytes"
-                for cache in self._pages[g.index]:
-                    page = _page(cache, blocks[col])
-                    page.copy_(src[offset : offset + page.numel()])
-                    offset += page.numel()
+                if lease.tensor.numel() != self._nbytes[g.index]:
+                    return f"Mamba group {g.index}: a state of {lease.tensor.numel()} bytes"
+                for page, part in self._pairs(g.index, blocks[col], lease.tensor):
+                    page.copy_(part)
             return ""
         finally:
             for lease in leases:
@@ -297,31 +309,3 @@ class MambaStates:
             held, self._held = list(self._held.values()), {}
         for h in held:
             h.release()
-
-
-class _KeyMaker:
-    """State keys of one request's chunk boundaries: its chunk chain, hashed once up to ``top``
-    (the state seed in place of the model fingerprint, so they are no chunk's keys)."""
-
-    def __init__(
-        self,
-        tokens: Sequence[int] | np.ndarray,
-        salt: str,
-        extra: dict[int, bytes],
-        top: int,
-        chunk_size: int,
-        seed: bytes,
-    ) -> None:
-        full = top // chunk_size
-        extra = {i: v for i, v in extra.items() if i < full}
-        self._chain = chunk_keys(
-            tokens[: full * chunk_size], seed, chunk_size, salt=salt, extra_keys=extra
-        )
-        self._cs = chunk_size
-
-    def at(self, boundary: int) -> bytes:
-        """The key of the tokens before ``boundary`` (a chunk boundary up to ``top``)."""
-        i = boundary // self._cs - 1
-        if boundary % self._cs or not 0 <= i < len(self._chain):
-            raise ValueError(f"lmcache: no state key at {boundary} tokens")
-        return self._chain[i]
